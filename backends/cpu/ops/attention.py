@@ -1,0 +1,79 @@
+"""Reference lightning-indexer selection and sparse attention with sink (DSV4-REFERENCE §3.6-3.9).
+
+A query at position t attends to the raw KV of positions t-W+1..t plus compressed entries: all
+complete ones (HCA) or the indexer's top-k among them (CSA); one softmax with the per-head sink
+in the denominator. Keys are values (single shared KV head). Scores and softmax run in fp64
+and round to fp32, so a query's result does not depend on how many other queries share its
+chunk (see backends/cpu/ops/basic.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from lib.batch import Batch
+
+
+def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,
+                 topk: int, ratio: int, weight_scale: float) -> torch.Tensor:
+    """Top-k compressed entries per query (§3.8) -> [T, topk] sequence-local entry ids, -1 = none.
+
+    q [T, Hi, Di] indexer queries (RoPE applied); weights [T, Hi] head weights (W_iw h), scaled
+    here by `weight_scale` = Di^-1/2 * Hi^-1/2; keys[s] [E_s, Di] the sequence's indexer entries.
+    """
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
+    for seg in batch.segments():
+        k = keys[seg.index]
+        if k.shape[0] == 0:
+            continue
+        qs, ws = q[seg.lo:seg.hi].double(), weights[seg.lo:seg.hi].double() * weight_scale
+        scores = (ws.unsqueeze(-1) * torch.relu(torch.einsum("thd,ed->the", qs, k.double()))).sum(1)  # [n, E]
+        ready = (batch.positions[seg.lo:seg.hi] + 1) // ratio                 # entries w < ready are complete
+        visible = torch.arange(k.shape[0])[None, :] < ready[:, None]
+        scores = torch.where(visible, scores, float("-inf"))
+        picked = scores.topk(min(topk, k.shape[0]), dim=-1).indices             # [n, k']
+        valid = torch.gather(visible, 1, picked)
+        out[seg.lo:seg.hi, : picked.shape[1]] = torch.where(valid, picked, -1)
+    return out
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: list[torch.Tensor],
+                     entries: list[torch.Tensor] | None, selection: torch.Tensor | None,
+                     sink: torch.Tensor, *, window: int, ratio: int):
+    """Attention over window + compressed entries; returns (o [T, H, D], new windows).
+
+    q [T, H, D] and kv [T, D] with RoPE applied; windows[s] [<=W, D] raw KV of the positions just
+    before this step; entries[s] [E_s, D] (None for sliding layers); selection [T, k] from
+    `index_select` (CSA) or None (HCA: every complete entry).
+    """
+    d = q.shape[-1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    new_windows = []
+    for seg in batch.segments():
+        old = windows[seg.index].float()
+        keys = torch.cat((old, kv[seg.lo:seg.hi].float()))                       # [nw + n, D]
+        key_pos = torch.arange(seg.start - old.shape[0], seg.start + seg.hi - seg.lo)
+        pos = batch.positions[seg.lo:seg.hi]
+        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
+        if entries is not None:
+            comp = entries[seg.index].float()
+            visible = torch.arange(comp.shape[0])[None, :] < ((pos + 1) // ratio)[:, None]
+            if selection is not None:
+                chosen = torch.zeros(pos.shape[0], comp.shape[0] + 1, dtype=torch.bool)
+                sel = selection[seg.lo:seg.hi]
+                chosen = chosen.scatter(1, torch.where(sel >= 0, sel, comp.shape[0]), True)[:, :-1]
+                visible = visible & chosen
+            keys = torch.cat((keys, comp))
+            mask = torch.cat((mask, visible), dim=1)
+        logits = torch.einsum("thd,kd->thk", q[seg.lo:seg.hi].double(), keys.double()) / d ** 0.5
+        logits = torch.where(mask[:, None, :], logits, float("-inf"))
+        out[seg.lo:seg.hi] = (_softmax_with_sink(logits, sink.double()) @ keys.double()).float()
+        new_windows.append(torch.cat((old, kv[seg.lo:seg.hi].float()))[-window:])
+    return out, new_windows
+
+
+def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """exp(l) / (sum exp(l) + exp(sink_h)): the sink only enlarges the denominator (§3.6 step 5)."""
+    sink = sink[None, :, None]                                                   # [1, H, 1]
+    top = torch.maximum(logits.amax(-1, keepdim=True), sink)
+    e = torch.exp(logits - top)
+    return e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))

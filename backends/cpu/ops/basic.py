@@ -1,0 +1,68 @@
+"""Reference token-parallel ops: embedding, norms, linears, grouped output projection (§3.1, §3.6).
+
+Tensors are fp32 between ops; inside an op everything is computed in fp64 and rounded to fp32
+once on the way out. BLAS and reduction kernels pick different blockings and summation orders
+for different row counts (a decode step's M=1 gemv and a prefill gemm differ by ~1e-6 relative),
+and the oracle must give the same answer for a token whatever batch or chunk it arrives in
+(prefill(n) + decode == prefill(n+k), L24). fp64 inside makes that hold to the last fp32 bit in
+practice; the results are still the fp32 values of the exact equations.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp64, rounded to fp32."""
+    return (a.double() @ b.double()).float()
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[T] ids -> [T, d] rows of the embedding table (no scaling, §3.1)."""
+    return table.index_select(0, tokens).float()
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (§2)."""
+    return (weight.double() * _rms(x, eps)).float()
+
+
+def head_rms_norm(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """[T, heads*D] -> [T, heads, D] with an unweighted RMS norm per head (§3.6 step 2)."""
+    return _rms(x.unflatten(-1, (heads, -1)), eps).float()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x W^T with W stored [out, in] (§2)."""
+    return matmul(x, weight.t())
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[T, heads*D] -> [T, heads, D]."""
+    return x.unflatten(-1, (heads, -1))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped low-rank projection wo_a (§3.6 step 7).
+
+    x [T, H, D] -> heads split into `groups` contiguous groups; group g's [H/G*D] vector goes
+    through rows [g*R, (g+1)*R) of weight [G*R, H/G*D]; result [T, G*R].
+    """
+    t = x.shape[0]
+    xg = x.double().reshape(t, groups, -1)                         # [T, G, H/G*D]
+    wg = weight.double().reshape(groups, -1, xg.shape[-1])         # [G, R, H/G*D]
+    return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1).float()   # [T, G*R]
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x [T, d] -> x[rows] [R, d]; all rows when `rows` is None."""
+    return x if rows is None else x.index_select(0, rows)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() + b.double()).float()

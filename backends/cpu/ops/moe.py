@@ -1,0 +1,61 @@
+"""Reference MoE (DSV4-REFERENCE §3.10): routers, clipped-SwiGLU experts, shared expert.
+
+Routers return (weights [T, k], ids [T, k]) with weights already renormalised over the selected
+experts and multiplied by routed_scaling_factor; the caller adds the shared expert once (B09).
+Computed in fp64, rounded to fp32 (backends/cpu/ops/basic.py says why).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(W_g x)) (scoring_func sqrtsoftplus), fp64."""
+    return torch.sqrt(F.softplus(x.double() @ gate.double().t()))
+
+
+def _weights(scores: torch.Tensor, ids: torch.Tensor, route_scale: float) -> torch.Tensor:
+    picked = scores.gather(1, ids)
+    return (route_scale * picked / picked.sum(-1, keepdim=True)).float()
+
+
+def route_hash(x: torch.Tensor, gate: torch.Tensor, tid2eid: torch.Tensor, tokens: torch.Tensor,
+               route_scale: float):
+    """Hash layers: experts = tid2eid[token] (B07), weights from the learned gate's scores."""
+    ids = tid2eid.index_select(0, tokens).long()                         # [T, k]
+    return _weights(_scores(x, gate), ids, route_scale), ids
+
+
+def route_learned(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float):
+    """Learned layers: experts = top-k of scores + bias; the bias steers selection only (noaux_tc)."""
+    scores = _scores(x, gate)
+    ids = torch.topk(scores + bias.double(), topk, dim=-1).indices
+    return _weights(scores, ids, route_scale), ids
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, L)) * clamp(up, -L, L) (swiglu_limit; B08)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """W2 (SiLU(min(W1 x, L)) * clamp(W3 x)) in fp64; w1, w3 [I, d], w2 [d, I]."""
+    return clipped_swiglu(x @ w1.double().t(), x @ w3.double().t(), limit) @ w2.double().t()
+
+
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert (weight 1)."""
+    return _expert(x.double(), w1, w3, w2, limit).float()
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                   w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I]."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        y = _expert(x[token], w1[e], w3[e], w2[e], limit) * weights[token, slot, None].double()
+        out = out.index_add(0, token, y)
+    return out.float()

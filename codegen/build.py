@@ -1,0 +1,115 @@
+"""`dsv4gen build`: render a backend's `_generated/` folder from spec + profile, and check it.
+
+Output is deterministic and stamped with a hash of every spec and profile file it came from;
+files are rewritten only when their content changes, and `--check` reports stale, missing or
+extra files with the one command that fixes them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from codegen.lower import lower
+from spec.graph import GRAPH_PATH, load_graph
+from spec.profile import load_profile, load_runtime_formats, profile_path
+from spec.tables import SPEC_DIR, load_tensor_table
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml")
+
+
+def spec_hash(backend: str) -> str:
+    h = hashlib.sha256()
+    for path in (*SPEC_FILES, profile_path(backend)):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def render(backend: str) -> dict[str, str]:
+    """File name -> content of the backend's generated folder."""
+    profile = load_profile(backend)
+    table = load_tensor_table()
+    lowered = lower(load_graph(), profile, table)
+    runtime = load_runtime_formats().formats
+    formats = {cls: profile.runtime_format(cls) for cls in table.classes}
+    used = sorted(set(formats.values()))
+    by_impl: dict[str, int] = {}
+    for op in lowered.ops:
+        by_impl[op.impl] = by_impl.get(op.impl, 0) + 1
+    ctx = {
+        "backend": backend,
+        "spec_hash": spec_hash(backend),
+        "profile_doc": profile.doc,
+        "compute_dtype": profile.compute_dtype,
+        "imports": lowered.imports,
+        "functions": lowered.functions,
+        "dispatch": lowered.dispatch,
+        "ops": lowered.ops,
+        "lowering_summary": ", ".join(f"{n} {impl}" for impl, n in sorted(by_impl.items())),
+        "runtime_formats": sorted(formats.items()),
+        "converters": [(f, runtime[f].convert) for f in used],
+        "tensors": [{"cls": cls, "fmt": fmt, "conv": runtime[fmt].convert,
+                     "keys": ", ".join(f"`{e.key}`" for e in table.entries if e.tensor_class == cls)}
+                    for cls, fmt in sorted(formats.items())],
+        "lessons": sorted(profile.lessons.items()),
+    }
+    env = _env()
+    return {
+        "__init__.py": env.get_template("init.py.j2").render(ctx),
+        "model.py": env.get_template("model.py.j2").render(ctx),
+        "loader.py": env.get_template("loader.py.j2").render(ctx),
+        "PLAN.md": env.get_template("plan.md.j2").render(ctx),
+    }
+
+
+def generated_dir(backend: str) -> Path:
+    return profile_path(backend).parent / "_generated"
+
+
+def diff(backend: str, out: Path | None = None) -> list[str]:
+    """Names of generated files that are stale, missing or extra (empty: up to date)."""
+    out = out or generated_dir(backend)
+    files = render(backend)
+    problems = []
+    for name, content in files.items():
+        path = out / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.read_text(encoding="utf-8") != content:
+            problems.append(f"{path}: stale")
+    if out.is_dir():
+        extra = sorted(p.name for p in out.iterdir() if p.is_file() and p.name not in files)
+        problems += [f"{out / name}: extra file" for name in extra]
+    return problems
+
+
+def build(backend: str, out: Path | None = None) -> list[str]:
+    """Write the generated files that changed (atomically); returns what was written or removed."""
+    out = out or generated_dir(backend)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    files = render(backend)
+    for name, content in files.items():
+        path = out / name
+        if path.is_file() and path.read_text(encoding="utf-8") == content:
+            continue
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(content)
+        os.replace(tmp, path)
+        changed.append(str(path))
+    for path in sorted(out.iterdir()):
+        if path.is_file() and path.name not in files:
+            path.unlink()
+            changed.append(f"{path} (removed)")
+    return changed

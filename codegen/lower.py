@@ -1,0 +1,175 @@
+"""Lowering: graph programs + a backend profile -> Python functions as lists of source lines.
+
+Each step becomes one call of the implementation the profile picks for its op (the reference, a
+composite or a native device op); values resolve to parameters by official key, batch and cache
+fields, or earlier outputs, and are checked per layer kind, so a step that reads a tensor a kind
+lacks fails here, naming graph.yaml and the line, not at run time. Templates only lay out what
+this module returns.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from spec.graph import BATCH_FIELDS, CACHE_FIELDS, LoadedGraph, Program, Step
+from spec.profile import Profile
+from spec.schedule import LayerInfo
+from spec.tables import TensorTable
+from spec.yamlio import SpecError
+
+AXES = {"attention": ("swa", "csa", "hca"), "routing": ("hash", "learned")}
+WRAP = 112  # generated lines longer than this put one argument per line
+
+
+class Function(NamedTuple):
+    name: str
+    signature: str
+    doc: str
+    body: tuple[str, ...]
+
+
+class OpUse(NamedTuple):
+    op: str
+    impl: str
+    call: str
+    reason: str
+    lessons: tuple[str, ...]
+
+
+class Lowered(NamedTuple):
+    imports: tuple[str, ...]
+    functions: tuple[Function, ...]
+    dispatch: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]   # (table, ((kind, function), ...))
+    ops: tuple[OpUse, ...]
+
+
+def _runtime_key(key: str) -> str:
+    return key.replace("{expert}.", "")
+
+
+def layer_param_keys(table: TensorTable, kind: dict[str, str]) -> set[str]:
+    """Block parameter keys present in EVERY backbone layer consistent with `kind`."""
+    combos = [(a, r) for a in AXES["attention"] for r in AXES["routing"]
+              if kind.get("attention", a) == a and kind.get("routing", r) == r]
+    sets = []
+    for attention, routing in combos:
+        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
+        sets.append({_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)})
+    return set.intersection(*sets)
+
+
+class _Lowerer:
+    def __init__(self, lg: LoadedGraph, profile: Profile, table: TensorTable):
+        self.lg, self.profile, self.table = lg, profile, table
+        self.modules: dict[str, str] = {}     # module path -> alias
+        self.ops: dict[str, OpUse] = {}
+
+    def impl(self, op: str) -> str:
+        low = self.profile.lowering(op)
+        ref = self.lg.graph.ops[op].reference if low.impl == "reference" else low.call
+        self.ops[op] = OpUse(op, low.impl, ref, low.reason, low.lessons)
+        module, _, fn = ref.partition(":")
+        alias = self.modules.setdefault(module, "_" + module.split(".")[-1])
+        return f"{alias}.{fn}"
+
+    def lower_program(self, name: str, kind: dict[str, str]) -> Function:
+        prog = self.lg.graph.programs[name]
+        scope = "layer" if prog.params == "layer" else "model"
+        pkeys = (layer_param_keys(self.table, kind) if scope == "layer"
+                 else {e.key for e in self.table.entries if e.scope == "model"})
+        env = set(prog.inputs)
+        body: list[str] = []
+        for i, step in enumerate(prog.steps):
+            if not step.when.matches(kind):
+                continue
+            where = self.lg.where(name, i)
+            args = [self.value(v, env, pkeys, scope, where) for v in step.args.values()]
+            if step.op is not None:
+                attrs = [f"{k}={v}" for k, v in step.attrs.items()]
+                body += _assign(step.out, f"{self.impl(step.op)}(", args + attrs)
+            elif step.loop is not None:
+                body += self.loop(step, args, where)
+            else:
+                body += _assign(step.out, f"{self.callee(step.call)}(", ["lp", *args, "layer", "cfg", "rope"])
+            env |= set(step.out)
+        body.append("return " + ", ".join(self.results(prog, env, name)))
+        suffix = "".join(f"_{v}" for v in kind.values())
+        fname = "forward" if name == "model" else name + suffix
+        first = "params" if scope == "model" else "lp"
+        extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
+        doc = prog.doc + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
+        return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
+
+    def value(self, ref: str, env: set[str], pkeys: set[str], scope: str, where: str) -> str:
+        if ref == "none":
+            return "None"
+        if ref.startswith("p."):
+            key = ref[2:]
+            if key not in pkeys:
+                raise SpecError(f"{where}: parameter '{key}' does not exist for every layer this step runs in")
+            return f'lp["{key}"]' if scope == "layer" else f'params.model["{key}"]'
+        root, dot, field = ref.partition(".")
+        if dot:
+            allowed = {"batch": BATCH_FIELDS, "cache": CACHE_FIELDS}.get(root)
+            if allowed is None or field not in allowed or root not in env:
+                raise SpecError(f"{where}: cannot resolve '{ref}' (accepted: p.<key>, batch.<{'|'.join(BATCH_FIELDS)}>, "
+                                f"cache.<{'|'.join(CACHE_FIELDS)}>, earlier outputs)")
+            return ref
+        if ref.endswith("?"):
+            return ref[:-1] if ref[:-1] in env else "None"
+        if ref not in env:
+            raise SpecError(f"{where}: '{ref}' is not defined before this step (defined: {', '.join(sorted(env))})")
+        return ref
+
+    def callee(self, program: str) -> str:
+        axis = self.lg.graph.programs[program].variants
+        return f"{program.upper()}[layer.{axis}]" if axis else program
+
+    def loop(self, step: Step, args: list[str], where: str) -> list[str]:
+        # The callee's `cache` input is bound element-wise from the list argument, and its
+        # returned cache collected back, so each layer sees and updates only its own state.
+        callee = self.lg.graph.programs[step.call]
+        names = list(callee.inputs)
+        if "cache" not in names or step.out[-1] != args[names.index("cache")]:
+            raise SpecError(f"{where}: a loop step must thread its 'cache' list through as the last output")
+        call_args = ["lp", *("cache" if n == "cache" else a for n, a in zip(names, args)), "layer", "cfg", "rope"]
+        return ["new_caches = []",
+                "for layer, lp, cache in zip(backbone(cfg), params.layers, caches):",
+                *("    " + line for line in _assign(step.out[:-1] + ("cache",), f"{self.callee(step.call)}(", call_args)),
+                "    new_caches.append(cache)",
+                f"{step.out[-1]} = tuple(new_caches)"]
+
+    def results(self, prog: Program, env: set[str], name: str) -> list[str]:
+        out = []
+        for r in prog.returns:
+            if r not in env:
+                raise SpecError(f"{self.lg.path}: program '{name}' returns '{r}', which no step defines")
+            out.append(r)
+        if prog.updates:
+            fields = [f"{k}={v.rstrip('?')}" for k, v in prog.updates.items() if v.rstrip("?") in env]
+            out.append(f"cache._replace({', '.join(fields)})")
+        return out
+
+
+def _assign(targets: tuple[str, ...], head: str, args: list[str]) -> list[str]:
+    lhs = ", ".join(targets) + " = "
+    one = lhs + head + ", ".join(args) + ")"
+    if len(one) <= WRAP:
+        return [one]
+    return [lhs + head, *(f"    {a}," for a in args), ")"]
+
+
+def lower(lg: LoadedGraph, profile: Profile, table: TensorTable) -> Lowered:
+    lw = _Lowerer(lg, profile, table)
+    functions, dispatch = [], []
+    for name, prog in lg.graph.programs.items():
+        if prog.variants is None:
+            functions.append(lw.lower_program(name, {}))
+            continue
+        entries = []
+        for value in AXES[prog.variants]:
+            fn = lw.lower_program(name, {prog.variants: value})
+            functions.append(fn)
+            entries.append((value, fn.name))
+        dispatch.append((name.upper(), tuple(entries)))
+    imports = tuple(f"import {m} as {a}" for m, a in sorted(lw.modules.items()))
+    return Lowered(imports, tuple(functions), tuple(dispatch), tuple(sorted(lw.ops.values())))

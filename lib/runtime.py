@@ -1,0 +1,90 @@
+"""Loading a checkpoint into a backend and stepping its generated forward over per-sequence state.
+
+`load_model` opens and validates the checkpoint, converts weights with the backend's generated
+loader and returns an immutable `Model`; `step` runs one batch (any mix of prefill chunks and
+decode tokens) and returns logits with the sequences' new caches. Sampling and scheduling live
+elsewhere; this module must not know about requests.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from lib.batch import Batch
+from lib.checkpoint import Checkpoint
+from lib.rope import rope_tables
+from lib.state import LayerCache, SeqCache, empty_compressor
+from spec.config import ModelConfig
+from spec.profile import load_profile
+from spec.schedule import backbone
+
+
+class Model(NamedTuple):
+    backend: str
+    cfg: ModelConfig
+    params: Any                      # lib.params.Params
+    rope: dict[str, torch.Tensor]    # RoPE frequency tables by name
+    forward: Any                     # the backend's generated `forward`
+    root: Path
+
+
+def backend_module(backend: str, name: str):
+    load_profile(backend)            # a clear error for an unknown backend name
+    return importlib.import_module(f"backends.{backend}._generated.{name}")
+
+
+def load_model(path: Path | str, backend: str = "cpu", progress: bool = False) -> Model:
+    ckpt = Checkpoint(path)
+    params = backend_module(backend, "loader").load(ckpt, progress=progress)
+    forward = backend_module(backend, "model").forward
+    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), forward, Path(path))
+
+
+def new_cache(cfg: ModelConfig) -> SeqCache:
+    """The state of a sequence with no tokens yet."""
+    layers = []
+    for layer in backbone(cfg):
+        window = torch.zeros(0, cfg.head_dim)
+        comp = index = None
+        if layer.attention == "csa":
+            comp = empty_compressor(2 * cfg.head_dim, cfg.head_dim)
+            index = empty_compressor(2 * cfg.index_head_dim, cfg.index_head_dim)
+        elif layer.attention == "hca":
+            comp = empty_compressor(cfg.head_dim, cfg.head_dim)
+        layers.append(LayerCache(window, comp, index))
+    return SeqCache(0, tuple(layers))
+
+
+def _by_layer(caches: list[SeqCache], n_layers: int) -> tuple[LayerCache, ...]:
+    """Per-sequence caches -> per-layer records whose fields are per-sequence lists."""
+    out = []
+    for i in range(n_layers):
+        rows = [c.layers[i] for c in caches]
+        comp = [r.comp for r in rows] if rows[0].comp is not None else None
+        index = [r.index for r in rows] if rows[0].index is not None else None
+        out.append(LayerCache([r.window for r in rows], comp, index))
+    return tuple(out)
+
+
+def _by_sequence(layers: tuple[LayerCache, ...], old: list[SeqCache], batch: Batch) -> list[SeqCache]:
+    out = []
+    for s, cache in enumerate(old):
+        per_layer = tuple(LayerCache(lay.window[s], lay.comp[s] if lay.comp is not None else None,
+                                     lay.index[s] if lay.index is not None else None) for lay in layers)
+        out.append(SeqCache(cache.length + batch.seq_lens[s], per_layer))
+    return out
+
+
+def step(model: Model, batch: Batch, caches: list[SeqCache]) -> tuple[torch.Tensor, list[SeqCache]]:
+    """One forward over a batch; caches[s] must hold exactly batch.starts[s] tokens."""
+    for s, cache in enumerate(caches):
+        if cache.length != batch.starts[s]:
+            raise ValueError(f"sequence {s}: cache holds {cache.length} tokens but the batch continues at "
+                             f"position {batch.starts[s]}")
+    with torch.inference_mode():
+        logits, layers = model.forward(model.params, batch, _by_layer(caches, model.cfg.num_hidden_layers),
+                                       model.cfg, model.rope)
+    return logits, _by_sequence(layers, caches, batch)

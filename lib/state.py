@@ -1,0 +1,37 @@
+"""Per-sequence decode state of the reference runtime (DSV4-REFERENCE §3.12), as plain records.
+
+Records are immutable: a forward returns new records and never mutates the ones passed in, so a
+caller can keep the old state (speculative decoding rewinds by simply keeping it). Paged storage
+of the same state for devices is a runtime concern layered on top; these records are its meaning.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class CompressorState(NamedTuple):
+    """One compressor (the attention's, or the CSA indexer's own) of one sequence."""
+    buf_kv: torch.Tensor     # [b, C] projections A of the incomplete window's tokens, b = length % m
+    buf_gate: torch.Tensor   # [b, C] gate logits Z + ape of those tokens
+    prev_kv: torch.Tensor    # [m or 0, C/2] CSA: "a" half of the last complete window (overlap); [0, ...] before the first
+    prev_gate: torch.Tensor  # [m or 0, C/2]
+    entries: torch.Tensor    # [E, Dc] compressed entries so far, normalised, RoPE applied; E = length // m
+
+
+class LayerCache(NamedTuple):
+    window: torch.Tensor             # [<= sliding_window, head_dim] raw KV of the latest positions, oldest first
+    comp: CompressorState | None     # CSA / HCA layers
+    index: CompressorState | None    # CSA layers: the indexer's keys
+
+
+class SeqCache(NamedTuple):
+    length: int                      # tokens already folded into this state
+    layers: tuple[LayerCache, ...]   # one per backbone layer, schedule order
+
+
+def empty_compressor(channels: int, entry_dim: int, dtype=torch.float32) -> CompressorState:
+    z = torch.zeros
+    return CompressorState(z(0, channels, dtype=dtype), z(0, channels, dtype=dtype),
+                           z(0, entry_dim, dtype=dtype), z(0, entry_dim, dtype=dtype), z(0, entry_dim, dtype=dtype))

@@ -1,0 +1,174 @@
+"""The model configuration, named with the official `config.json` keys (DSV4-REFERENCE §1.1).
+
+`ModelConfig` is the one typed view of a DeepSeek-V4 config, whether it comes from a spec variant
+or from a checkpoint's `config.json`. Derived facts (drafter kind, layer kinds) live in
+`spec.schedule`; this module only holds and validates the keys.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from spec.yamlio import SpecError, decode
+
+
+class RopeScaling(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    type: Literal["yarn"]
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+class QuantizationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    quant_method: Literal["fp8"]
+    fmt: Literal["e4m3"]
+    scale_fmt: Literal["ue8m0"]
+    weight_block_size: tuple[int, int]
+    activation_scheme: Literal["dynamic"]
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: Literal[1]          # one shared K=V head (MQA)
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]         # backbone layers, then one entry per drafter stage
+    compress_rope_theta: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: Literal[1]
+    moe_intermediate_size: int
+    scoring_func: Literal["sqrtsoftplus"]
+    topk_method: Literal["noaux_tc"]
+    norm_topk_prob: Literal[True]
+    routed_scaling_factor: float
+    swiglu_limit: float
+    num_hash_layers: int
+    num_nextn_predict_layers: int
+    expert_dtype: Literal["fp4", "fp8"]
+    quantization_config: QuantizationConfig
+    bos_token_id: int
+    eos_token_id: int
+    tie_word_embeddings: Literal[False]
+    hidden_act: Literal["silu"]
+    attention_bias: Literal[False]
+    torch_dtype: Literal["bfloat16"]
+    architectures: tuple[str, ...] = ("DeepseekV4ForCausalLM",)
+    model_type: Literal["deepseek_v4"] = "deepseek_v4"
+    # DeepSeek-V4-Flash-0731 only: the DSpark drafter (DSV4-REFERENCE §5.2)
+    dspark_block_size: int | None = None
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] | None = None
+    dspark_markov_rank: int | None = None
+
+    def to_json_dict(self) -> dict:
+        """The config as an official-format `config.json` object (absent optional keys omitted)."""
+        out = msgspec.to_builtins(self)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+CONFIG_KEYS = frozenset(f.name for f in msgspec.structs.fields(ModelConfig))
+
+# Keys that Hugging Face tooling writes into config.json and that carry no model semantics.
+IGNORED_CHECKPOINT_KEYS = frozenset({
+    "transformers_version", "auto_map", "use_cache", "initializer_range", "attention_dropout",
+    "pad_token_id", "_name_or_path", "dtype",
+})
+
+
+def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
+    """Cross-field rules msgspec cannot express; errors name the source and the keys."""
+    def bad(msg: str):
+        raise SpecError(f"{where}: {msg}")
+
+    n_stages = len(cfg.compress_ratios) - cfg.num_hidden_layers
+    if n_stages < 0:
+        bad(f"compress_ratios has {len(cfg.compress_ratios)} entries, fewer than num_hidden_layers "
+            f"({cfg.num_hidden_layers})")
+    if cfg.dspark_block_size is not None and n_stages < 1:
+        bad("dspark_block_size is set but compress_ratios has no drafter-stage entries "
+            f"(expected num_hidden_layers + stages = {cfg.num_hidden_layers} + N entries)")
+    if any(r < 0 for r in cfg.compress_ratios):
+        bad("compress_ratios entries must be >= 0")
+    if any(r for r in cfg.compress_ratios[cfg.num_hidden_layers:]):
+        bad("drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention)")
+    dspark = (cfg.dspark_block_size, cfg.dspark_noise_token_id, cfg.dspark_target_layer_ids,
+              cfg.dspark_markov_rank)
+    if any(v is None for v in dspark) and any(v is not None for v in dspark):
+        bad("the dspark_* keys must be all present (DeepSeek-V4-Flash-0731) or all absent (preview)")
+    if cfg.dspark_target_layer_ids is not None:
+        for layer in cfg.dspark_target_layer_ids:
+            if not 0 <= layer < cfg.num_hidden_layers:
+                bad(f"dspark_target_layer_ids names layer {layer}, outside 0..{cfg.num_hidden_layers - 1}")
+    if cfg.dspark_noise_token_id is not None and not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+        bad(f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the vocabulary (vocab_size "
+            f"{cfg.vocab_size})")
+    divisible = [
+        ("num_attention_heads", cfg.num_attention_heads, "o_groups", cfg.o_groups),
+        ("head_dim", cfg.head_dim, "2", 2),
+        ("qk_rope_head_dim", cfg.qk_rope_head_dim, "2", 2),
+    ]
+    for a, va, b, vb in divisible:
+        if va % vb:
+            bad(f"{a} ({va}) must be divisible by {b} ({vb})")
+    if cfg.qk_rope_head_dim > min(cfg.head_dim, cfg.index_head_dim):
+        bad(f"qk_rope_head_dim ({cfg.qk_rope_head_dim}) exceeds head_dim or index_head_dim")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        bad(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+    if not 0 <= cfg.num_hash_layers <= cfg.num_hidden_layers:
+        bad(f"num_hash_layers ({cfg.num_hash_layers}) must be within 0..num_hidden_layers")
+    return cfg
+
+
+def config_from_dict(data: dict, where: str, lines: dict | None = None) -> tuple[ModelConfig, list[str]]:
+    """Decode a config mapping; returns the config and the unknown keys that were ignored."""
+    unknown = sorted(k for k in data if k not in CONFIG_KEYS and k not in IGNORED_CHECKPOINT_KEYS)
+    clean = {k: v for k, v in data.items() if k in CONFIG_KEYS}
+    cfg = decode(clean, ModelConfig, where, lines or {})
+    return check_config(cfg, where), unknown
+
+
+def load_config_json(path: Path | str) -> tuple[ModelConfig, list[str]]:
+    """Read a checkpoint's `config.json` (official keys); unknown keys are returned, not fatal,
+    because real checkpoints may carry extra bookkeeping keys the model does not depend on."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{path}: config.json not found") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a JSON object at the top level")
+    return config_from_dict(data, str(path), _json_key_lines(path))
+
+
+def _json_key_lines(path: Path) -> dict:
+    """Line of each top-level key of a JSON file, so config errors can point at a line."""
+    lines = {}
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        stripped = text.strip()
+        if stripped.startswith('"') and '":' in stripped:
+            lines.setdefault((stripped[1:stripped.index('"', 1)],), number)
+    return lines

@@ -1,0 +1,116 @@
+"""Typed loading of backend profiles (`backends/<name>/profile.yaml`).
+
+A profile is a capability table: the compute dtype, which dtypes the device has and lacks, how
+each graph op lowers (reference, hand-written composite, or native device op) and why, the
+runtime format of each tensor class, the device's quirks and the lessons it encodes — every
+refusal and choice with a one-line reason. Lowering reads tables; it has no per-backend branches.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from spec.graph import load_graph
+from spec.tables import SPEC_DIR, load_tensor_table
+from spec.yamlio import SpecError, decode, load_yaml
+
+BACKENDS_DIR = SPEC_DIR.parent / "backends"
+LessonId = str
+
+
+class Lowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    impl: Literal["reference", "composite", "native"]
+    reason: str
+    call: str | None = None                 # "module:function" for composite / native
+    lessons: tuple[LessonId, ...] = ()
+
+
+class DTypes(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    has: tuple[str, ...]
+    lacks: dict[str, str] = {}              # dtype -> reason (with lesson id)
+
+
+class Quirk(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    doc: str
+    lessons: tuple[LessonId, ...] = ()
+
+
+class RuntimeFormats(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    default: str
+    classes: dict[str, str] = {}            # tensor class -> runtime format, overriding default
+
+
+class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    doc: str
+    compute_dtype: Literal["float32", "float16", "bfloat16"]
+    dtypes: DTypes
+    op_default: Lowering
+    runtime_formats: RuntimeFormats
+    ops: dict[str, Lowering] = {}
+    quirks: dict[str, Quirk] = {}
+    lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
+
+    def lowering(self, op: str) -> Lowering:
+        return self.ops.get(op, self.op_default)
+
+    def runtime_format(self, tensor_class: str) -> str:
+        return self.runtime_formats.classes.get(tensor_class, self.runtime_formats.default)
+
+
+class RuntimeFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    doc: str
+    convert: str
+
+
+class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    formats: dict[str, RuntimeFormat]
+
+
+@functools.lru_cache(maxsize=None)
+def load_runtime_formats(path: Path = SPEC_DIR / "runtime.yaml") -> RuntimeSpec:
+    data, lines = load_yaml(path)
+    return decode(data, RuntimeSpec, str(path), lines)
+
+
+def backend_names() -> list[str]:
+    return sorted(p.parent.name for p in BACKENDS_DIR.glob("*/profile.yaml"))
+
+
+def profile_path(name: str) -> Path:
+    path = BACKENDS_DIR / name / "profile.yaml"
+    if not path.is_file():
+        raise SpecError(f"unknown backend '{name}' (accepted: {', '.join(backend_names())})")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def load_profile(name: str, path: Path | None = None) -> Profile:
+    path = path or profile_path(name)
+    data, lines = load_yaml(path)
+    prof = decode(data, Profile, str(path), lines)
+    if prof.name != name:
+        raise SpecError(f"{path}:{lines.get(('name',), '?')}: profile name '{prof.name}' does not match "
+                        f"its folder '{name}'")
+    ops = load_graph().graph.ops
+    for op in prof.ops:
+        if op not in ops:
+            raise SpecError(f"{path}:{lines[('ops', op)]}: unknown op '{op}' (accepted: {', '.join(sorted(ops))})")
+    classes = load_tensor_table().classes
+    runtime = load_runtime_formats().formats
+    for cls, fmt in prof.runtime_formats.classes.items():
+        where = f"{path}:{lines[('runtime_formats', 'classes', cls)]}"
+        if cls not in classes:
+            raise SpecError(f"{where}: unknown tensor class '{cls}' (accepted: {', '.join(classes)})")
+        if fmt not in runtime:
+            raise SpecError(f"{where}: unknown runtime format '{fmt}' (accepted: {', '.join(runtime)})")
+    if prof.runtime_formats.default not in runtime:
+        raise SpecError(f"{path}:{lines[('runtime_formats', 'default')]}: unknown runtime format "
+                        f"'{prof.runtime_formats.default}' (accepted: {', '.join(runtime)})")
+    for op, low in prof.ops.items():
+        if low.impl != "reference" and low.call is None:
+            raise SpecError(f"{path}:{lines[('ops', op)]}: op '{op}' lowers to {low.impl} but names no 'call'")
+    return prof

@@ -1,0 +1,217 @@
+"""Typed loading of `quant.yaml` and `tensors.yaml`, and their expansion for one config.
+
+`expand(cfg)` turns the key patterns into the exact list of safetensors tensors a checkpoint of
+that config holds (key, dtype, stored shape), grouped into logical tensors (a weight and its
+scale). Checkpoint I/O, the inventory and the code generator all read this one expansion.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import msgspec
+
+from spec import expr
+from spec.config import ModelConfig
+from spec.schedule import Attention, LayerInfo, Role, schedule
+from spec.yamlio import SpecError, decode, load_yaml
+
+SPEC_DIR = Path(__file__).resolve().parent
+DTypeName = Literal["BF16", "F32", "I64", "I8", "F8_E4M3", "F8_E8M0"]
+
+
+class DType(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    bytes: int
+    torch: str
+    doc: str
+
+
+class Part(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    role: Literal["data", "weight", "scale"]
+    dtype: DTypeName
+    shape: tuple[str | int, ...] | None = None   # None: the logical shape itself
+    suffix: str | None = None                     # "scale": key `X.weight` -> `X.scale`
+
+
+class Format(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    doc: str
+    logical: Literal["any", "matrix"]
+    parts: tuple[Part, ...]
+    decode: str     # reference decoder to fp32: "module:function" taking (parts by role, cfg)
+    encode: str     # encoder from fp32 to the stored parts (writing checkpoints)
+
+
+class Selected(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    config_key: str
+    choices: dict[str, str]
+
+
+class QuantSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    dtypes: dict[DTypeName, DType]
+    formats: dict[str, Format]
+    selected: dict[str, Selected]
+
+
+class When(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    attention: tuple[Attention, ...] | None = None
+    routing: tuple[Literal["hash", "learned"], ...] | None = None
+    role: tuple[Role, ...] = ("backbone", "mtp", "dspark")
+    stage: Literal["first", "last"] | None = None
+
+    def matches(self, layer: LayerInfo) -> bool:
+        if layer.role not in self.role:
+            return False
+        if self.attention is not None and layer.attention not in self.attention:
+            return False
+        if self.routing is not None and layer.routing not in self.routing:
+            return False
+        if self.stage == "first" and layer.stage != 0:
+            return False
+        return not (self.stage == "last" and not layer.last_stage)
+
+
+class Entry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    key: str
+    scope: Literal["model", "block"]
+    shape: tuple[str | int, ...]
+    format: str
+    tp: Literal["replicate", "rows", "cols", "experts"]
+    tensor_class: str = msgspec.field(name="class")
+    when: When = When()
+
+
+class TensorTable(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    classes: dict[str, str]
+    entries: tuple[Entry, ...]
+
+
+class Stored(NamedTuple):
+    """One safetensors tensor of a checkpoint."""
+    key: str
+    dtype: DTypeName
+    shape: tuple[int, ...]
+    role: str                   # data | weight | scale
+
+
+class Logical(NamedTuple):
+    """One logical tensor: what the model computes with, stored as one or more `Stored` parts."""
+    key: str                    # official key of the main part (`...weight`)
+    entry: Entry
+    format: str                 # resolved format name
+    shape: tuple[int, ...]      # logical shape
+    layer: LayerInfo | None     # None for model-level tensors
+    expert: int | None
+    parts: tuple[Stored, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def load_quant(path: Path = SPEC_DIR / "quant.yaml") -> QuantSpec:
+    data, lines = load_yaml(path)
+    spec = decode(data, QuantSpec, str(path), lines)
+    for name, sel in spec.selected.items():
+        for choice, fmt in sel.choices.items():
+            if fmt not in spec.formats:
+                raise SpecError(f"{path}:{lines[('selected', name, 'choices', choice)]}: unknown format "
+                                f"'{fmt}' (accepted: {', '.join(spec.formats)})")
+    return spec
+
+
+@functools.lru_cache(maxsize=None)
+def load_tensor_table(path: Path = SPEC_DIR / "tensors.yaml", quant_path: Path = SPEC_DIR / "quant.yaml") -> TensorTable:
+    data, lines = load_yaml(path)
+    table = decode(data, TensorTable, str(path), lines)
+    quant = load_quant(quant_path)
+    formats = sorted(set(quant.formats) | set(quant.selected))
+    env_names = _shape_names()
+    for i, entry in enumerate(table.entries):
+        line = lines.get(("entries", i), "?")
+        if entry.format not in formats:
+            raise SpecError(f"{path}:{line}: unknown format '{entry.format}' for {entry.key} "
+                            f"(accepted: {', '.join(formats)})")
+        if entry.tensor_class not in table.classes:
+            raise SpecError(f"{path}:{line}: unknown class '{entry.tensor_class}' for {entry.key} "
+                            f"(accepted: {', '.join(table.classes)})")
+        for dim in entry.shape:
+            try:
+                unknown = expr.names(dim) - env_names
+            except expr.ExprError as err:
+                raise SpecError(f"{path}:{line}: {err}") from None
+            if unknown:
+                raise SpecError(f"{path}:{line}: shape of {entry.key} uses unknown name "
+                                f"'{sorted(unknown)[0]}' (accepted: config keys, compress_ratio, n_dspark_targets)")
+    return table
+
+
+def _shape_names() -> set[str]:
+    from spec.config import CONFIG_KEYS
+    return set(CONFIG_KEYS) | {"compress_ratio", "n_dspark_targets"}
+
+
+def shape_env(cfg: ModelConfig, layer: LayerInfo | None) -> dict[str, int]:
+    env = {k: v for k, v in msgspec.structs.asdict(cfg).items() if isinstance(v, int) and not isinstance(v, bool)}
+    env["compress_ratio"] = layer.ratio if layer else 0
+    env["n_dspark_targets"] = len(cfg.dspark_target_layer_ids or ())
+    return env
+
+
+def resolve_format(entry: Entry, cfg: ModelConfig, quant: QuantSpec) -> str:
+    if entry.format in quant.selected:
+        sel = quant.selected[entry.format]
+        value = getattr(cfg, sel.config_key)
+        return sel.choices[value]
+    return entry.format
+
+
+def stored_parts(key: str, fmt: Format, logical: tuple[int, ...], cfg: ModelConfig) -> tuple[Stored, ...]:
+    """The safetensors tensors that hold one logical tensor in format `fmt`."""
+    env = {"block_out": cfg.quantization_config.weight_block_size[0],
+           "block_in": cfg.quantization_config.weight_block_size[1]}
+    if fmt.logical == "matrix":
+        env["rows"], env["cols"] = logical
+    out = []
+    for part in fmt.parts:
+        shape = logical if part.shape is None else tuple(expr.evaluate(d, env) for d in part.shape)
+        part_key = key
+        if part.suffix is not None:
+            if not key.endswith(".weight"):
+                raise SpecError(f"format with a .{part.suffix} part needs a '.weight' key, got {key}")
+            part_key = key[: -len("weight")] + part.suffix
+        out.append(Stored(part_key, part.dtype, shape, part.role))
+    return tuple(out)
+
+
+def expand(cfg: ModelConfig, table: TensorTable | None = None, quant: QuantSpec | None = None) -> tuple[Logical, ...]:
+    """Every logical tensor of a checkpoint with this config, in a stable order."""
+    table = table or load_tensor_table()
+    quant = quant or load_quant()
+    layers = schedule(cfg)
+    out: list[Logical] = []
+    for entry in table.entries:
+        fmt_name = resolve_format(entry, cfg, quant)
+        fmt = quant.formats[fmt_name]
+        scopes = [None] if entry.scope == "model" else [lay for lay in layers if entry.when.matches(lay)]
+        for layer in scopes:
+            env = shape_env(cfg, layer)
+            try:
+                shape = tuple(expr.evaluate(d, env) for d in entry.shape)
+            except expr.ExprError as err:
+                where = layer.prefix if layer else "model"
+                raise SpecError(f"tensor {entry.key} in {where}: {err}") from None
+            prefix = f"{layer.prefix}." if layer else ""
+            experts = range(cfg.n_routed_experts) if "{expert}" in entry.key else [None]
+            for e in experts:
+                key = prefix + (entry.key.replace("{expert}", str(e)) if e is not None else entry.key)
+                out.append(Logical(key, entry, fmt_name, shape, layer, e, stored_parts(key, fmt, shape, cfg)))
+    return tuple(out)
+
+
+def stored_tensors(cfg: ModelConfig) -> dict[str, Stored]:
+    """Flat map key -> stored tensor; duplicate keys are a tensor-table bug and raise."""
+    out: dict[str, Stored] = {}
+    for logical in expand(cfg):
+        for part in logical.parts:
+            if part.key in out:
+                raise SpecError(f"tensors.yaml: key {part.key} is produced by two entries")
+            out[part.key] = part
+    return out
