@@ -59,7 +59,7 @@ def render(backend: str) -> dict[str, str]:
         "runtime_formats": sorted(formats.items()),
         "converters": [(f, runtime[f].convert) for f in used],
         "tensors": [{"cls": cls, "fmt": fmt, "conv": runtime[fmt].convert,
-                     "keys": ", ".join(f"`{e.key}`" for e in table.entries if e.tensor_class == cls)}
+                     "patterns": ", ".join(dict.fromkeys(f"`{e.key}`" for e in table.entries if e.tensor_class == cls))}
                     for cls, fmt in sorted(formats.items())],
         "lessons": sorted(profile.lessons.items()),
     }

@@ -1,0 +1,161 @@
+"""The `dsv4gen` command line: one subcommand per user task, each exiting non-zero on failure (B22).
+
+Subcommands parse arguments and call into the library; errors the user can fix (bad spec,
+broken checkpoint, bad arguments) print one clear message to stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd_make_tiny(args) -> int:
+    from lib.tiny import make_tiny
+    from spec.variants import parse_set_args
+
+    out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
+                    overwrite=args.force)
+    print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
+    return 0
+
+
+def _cmd_inventory(args) -> int:
+    from lib.checkpoint import summary
+    from spec.variants import variant_config
+
+    result = summary(variant_config(args.variant))
+    if args.json:
+        print(json.dumps({"variant": args.variant, **result}, indent=2))
+        return 0
+    print(f"{args.variant}: {result['all']['tensors']:,} tensors, {result['all']['bytes']:,} bytes")
+    print(f"  of which mtp.*: {result['mtp']['tensors']:,} tensors, {result['mtp']['bytes']:,} bytes")
+    print("  dtypes: " + ", ".join(f"{k} {v:,}" for k, v in result["all"]["dtypes"].items()))
+    return 0
+
+
+def _cmd_build(args) -> int:
+    from codegen.build import build, diff
+    from spec.profile import backend_names
+
+    backends = backend_names() if args.backend == "all" else [args.backend]
+    failed = False
+    for name in backends:
+        if args.check:
+            problems = diff(name)
+            for p in problems:
+                print(p, file=sys.stderr)
+            if problems:
+                print(f"generated code of backend '{name}' is out of date; run: dsv4gen build --backend {name}",
+                      file=sys.stderr)
+                failed = True
+            else:
+                print(f"{name}: generated code is up to date")
+        else:
+            changed = build(name)
+            print(f"{name}: " + (", ".join(changed) if changed else "up to date"))
+    return 1 if failed else 0
+
+
+def _model_path(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from lib.tiny import embedded_tiny
+    print("using the embedded tiny checkpoint (made on first use)", file=sys.stderr)
+    return embedded_tiny()
+
+
+def _cmd_run(args) -> int:
+    from lib.chat import encode_messages
+    from lib.generate import greedy
+    from lib.runtime import load_model
+    from lib.tokenizer import DetokenizeStream, Tokenizer
+
+    path = _model_path(args)
+    tok = Tokenizer.from_dir(path)
+    model = load_model(path, backend=args.backend, progress=True)
+    text = args.prompt if args.raw else encode_messages([{"role": "user", "content": args.prompt}])
+    ids = tok.encode(text)
+    stream = DetokenizeStream(tok, skip_special_tokens=True)
+    for token in greedy(model, ids, args.max_tokens, stop_ids=frozenset({tok.eos_id})):
+        sys.stdout.write(stream.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    return 0
+
+
+def _cmd_logits(args) -> int:
+    import numpy as np
+
+    from lib.generate import all_logits
+    from lib.runtime import load_model
+
+    try:
+        ids = [int(x) for x in args.ids.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--ids must be comma-separated integers, got '{args.ids}'") from None
+    model = load_model(_model_path(args), backend=args.backend, progress=True)
+    logits = all_logits(model, ids).numpy()
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp.npy")
+    np.save(tmp, logits)
+    tmp.replace(out)
+    print(f"wrote logits {list(logits.shape)} float32 to {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from spec.profile import backend_names
+
+    p = argparse.ArgumentParser(prog="dsv4gen", description="Spec-driven DeepSeek-V4 compiler, runtime and porting tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-tiny", help="write a small random checkpoint in the official format")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
+    s.add_argument("--shards", type=int, default=4)
+    s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
+    s.set_defaults(func=_cmd_make_tiny)
+
+    s = sub.add_parser("inventory", help="tensor count and bytes of a real checkpoint, from the spec alone")
+    s.add_argument("--variant", default="flash-0731")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_inventory)
+
+    s = sub.add_parser("build", help="regenerate backends/<name>/_generated from spec + profile")
+    s.add_argument("--backend", default="all", choices=["all", *backend_names()])
+    s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
+    s.set_defaults(func=_cmd_build)
+
+    for name, helptext, func in (("run", "greedy generation from a prompt", _cmd_run),
+                                 ("logits", "fp32 logits of every position, saved as .npy", _cmd_logits)):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+        s.add_argument("--backend", default="cpu", choices=backend_names())
+        if name == "run":
+            s.add_argument("--prompt", required=True)
+            s.add_argument("--max-tokens", type=int, default=32)
+            s.add_argument("--raw", action="store_true", help="send the prompt as is, without the V4 chat encoding")
+        else:
+            s.add_argument("--ids", required=True, help="comma-separated token ids")
+            s.add_argument("--out", required=True, help="output .npy file")
+        s.set_defaults(func=func)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lib.checkpoint import CheckpointError
+    from spec.yamlio import SpecError
+
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, CheckpointError, FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"dsv4gen {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
