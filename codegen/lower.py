@@ -46,15 +46,33 @@ def _runtime_key(key: str) -> str:
     return key.replace("{expert}.", "")
 
 
-def layer_param_keys(table: TensorTable, kind: dict[str, str]) -> set[str]:
-    """Block parameter keys present in EVERY backbone layer consistent with `kind`."""
-    combos = [(a, r) for a in AXES["attention"] for r in AXES["routing"]
-              if kind.get("attention", a) == a and kind.get("routing", r) == r]
-    sets = []
-    for attention, routing in combos:
-        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
-        sets.append({_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)})
-    return set.intersection(*sets)
+def _combos(kind: dict[str, str]) -> list[tuple[str, str]]:
+    return [(a, r) for a in AXES["attention"] for r in AXES["routing"]
+            if kind.get("attention", a) == a and kind.get("routing", r) == r]
+
+
+def _combo_keys(table: TensorTable, attention: str, routing: str) -> set[str]:
+    layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
+    return {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
+
+
+def layer_param_keys(table: TensorTable, kind: dict[str, str], every: bool = True) -> set[str]:
+    """Block parameter keys present in EVERY (or, with every=False, in SOME) backbone layer
+    consistent with `kind`."""
+    sets = [_combo_keys(table, a, r) for a, r in _combos(kind)]
+    return set.intersection(*sets) if every else set.union(*sets)
+
+
+def _lacking(table: TensorTable, kind: dict[str, str], key: str) -> str:
+    """The layer kinds consistent with `kind` that lack parameter `key`, e.g. 'attention=swa'."""
+    lacking = [(a, r) for a, r in _combos(kind) if key not in _combo_keys(table, a, r)]
+    atts = list(dict.fromkeys(a for a, _ in lacking))
+    if all((a, r) in lacking for a in atts for r in AXES["routing"]):
+        return "attention=" + "|".join(atts)
+    routs = list(dict.fromkeys(r for _, r in lacking))
+    if all((a, r) in lacking for a in AXES["attention"] for r in routs):
+        return "routing=" + "|".join(routs)
+    return ", ".join(f"attention={a} routing={r}" for a, r in lacking)
 
 
 class _Lowerer:
@@ -82,7 +100,7 @@ class _Lowerer:
             if not step.when.matches(kind):
                 continue
             where = self.lg.where(name, i)
-            args = [self.value(v, env, pkeys, scope, where) for v in step.args.values()]
+            args = [self.value(v, env, pkeys, scope, where, kind) for v in step.args.values()]
             if step.op is not None:
                 attrs = [f"{k}={v}" for k, v in step.attrs.items()]
                 body += _assign(step.out, f"{self.impl(step.op)}(", args + attrs)
@@ -99,13 +117,16 @@ class _Lowerer:
         doc = prog.doc + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
         return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
 
-    def value(self, ref: str, env: set[str], pkeys: set[str], scope: str, where: str) -> str:
+    def value(self, ref: str, env: set[str], pkeys: set[str], scope: str, where: str, kind: dict[str, str]) -> str:
         if ref == "none":
             return "None"
         if ref.startswith("p."):
             key = ref[2:]
             if key not in pkeys:
-                raise SpecError(f"{where}: parameter '{key}' does not exist for every layer this step runs in")
+                if scope == "layer" and key in layer_param_keys(self.table, {}, every=False):
+                    raise SpecError(f"{where}: parameter '{key}' does not exist in {_lacking(self.table, kind, key)} "
+                                    "layers, which this step runs for (restrict the step with 'when')")
+                raise SpecError(f"{where}: unknown parameter '{key}' (accepted: {', '.join(sorted(pkeys))})")
             return f'lp["{key}"]' if scope == "layer" else f'params.model["{key}"]'
         root, dot, field = ref.partition(".")
         if dot:
@@ -142,7 +163,8 @@ class _Lowerer:
         out = []
         for r in prog.returns:
             if r not in env:
-                raise SpecError(f"{self.lg.path}: program '{name}' returns '{r}', which no step defines")
+                line = self.lg.lines.get(("programs", name, "returns"), "?")
+                raise SpecError(f"{self.lg.path}:{line}: program '{name}' returns '{r}', which no step defines")
             out.append(r)
         if prog.updates:
             fields = [f"{k}={v.rstrip('?')}" for k, v in prog.updates.items() if v.rstrip("?") in env]

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from spec.config import ModelConfig, load_config_json
 from spec.tables import Logical, Stored, expand, load_quant
+from spec.yamlio import SpecError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -51,13 +52,19 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
             meta = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path.name}: corrupt safetensors header: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path.name}: corrupt safetensors header: expected a JSON object")
     nbytes = {k: v.bytes for k, v in load_quant().dtypes.items()}
     out: dict[str, HeaderEntry] = {}
     for key, info in meta.items():
         if key == "__metadata__":
             continue
-        begin, end = (8 + n + o for o in info["data_offsets"])
-        entry = HeaderEntry(path.name, info["dtype"], tuple(info["shape"]), begin, end)
+        try:
+            begin, end = (8 + n + int(o) for o in info["data_offsets"])
+            entry = HeaderEntry(path.name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path.name}: {key}: corrupt safetensors header entry "
+                                  f"({type(err).__name__}: {err})") from None
         if end > size:
             raise CheckpointError(f"{path.name}: {key}: truncated shard: tensor data ends at byte {end}, "
                                   f"file has {size} bytes")
@@ -97,7 +104,10 @@ class Checkpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: checkpoint directory not found")
-        self.config, self.unknown_config_keys = load_config_json(self.root / "config.json")
+        try:
+            self.config, self.unknown_config_keys = load_config_json(self.root / "config.json")
+        except SpecError as err:   # a bad config.json is a broken checkpoint, like a bad shard
+            raise CheckpointError(str(err)) from None
         self.logical: tuple[Logical, ...] = expand(self.config)
         self.expected: dict[str, Stored] = {p.key: p for t in self.logical for p in t.parts}
         weight_map = read_weight_map(self.root)

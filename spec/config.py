@@ -97,33 +97,39 @@ IGNORED_CHECKPOINT_KEYS = frozenset({
 })
 
 
-def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
-    """Cross-field rules msgspec cannot express; errors name the source and the keys."""
-    def bad(msg: str):
-        raise SpecError(f"{where}: {msg}")
+def check_config(cfg: ModelConfig, where: str, lines: dict | None = None, context: str = "") -> ModelConfig:
+    """Cross-field rules msgspec cannot express; errors name the source, the blamed key's line (when
+    `lines` maps `(key,)` to one) and the keys."""
+    def bad(key: str, msg: str):
+        line = (lines or {}).get((key,))
+        raise SpecError(f"{where}{f':{line}' if line else ''}: {context}{msg}")
 
     n_stages = len(cfg.compress_ratios) - cfg.num_hidden_layers
     if n_stages < 0:
-        bad(f"compress_ratios has {len(cfg.compress_ratios)} entries, fewer than num_hidden_layers "
-            f"({cfg.num_hidden_layers})")
+        bad("compress_ratios", f"compress_ratios has {len(cfg.compress_ratios)} entries, fewer than "
+            f"num_hidden_layers ({cfg.num_hidden_layers})")
     if cfg.dspark_block_size is not None and n_stages < 1:
-        bad("dspark_block_size is set but compress_ratios has no drafter-stage entries "
+        bad("compress_ratios", "dspark_block_size is set but compress_ratios has no drafter-stage entries "
             f"(expected num_hidden_layers + stages = {cfg.num_hidden_layers} + N entries)")
     if any(r < 0 for r in cfg.compress_ratios):
-        bad("compress_ratios entries must be >= 0")
+        bad("compress_ratios", "compress_ratios entries must be >= 0")
     if any(r for r in cfg.compress_ratios[cfg.num_hidden_layers:]):
-        bad("drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention)")
-    dspark = (cfg.dspark_block_size, cfg.dspark_noise_token_id, cfg.dspark_target_layer_ids,
-              cfg.dspark_markov_rank)
-    if any(v is None for v in dspark) and any(v is not None for v in dspark):
-        bad("the dspark_* keys must be all present (DeepSeek-V4-Flash-0731) or all absent (preview)")
+        bad("compress_ratios",
+            "drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention)")
+    dspark = {k: getattr(cfg, k) for k in ("dspark_block_size", "dspark_noise_token_id",
+                                           "dspark_target_layer_ids", "dspark_markov_rank")}
+    present = [k for k, v in dspark.items() if v is not None]
+    if present and len(present) < len(dspark):
+        bad(present[0], "the dspark_* keys must be all present (DeepSeek-V4-Flash-0731) or all absent "
+            f"(preview); missing: {', '.join(k for k in dspark if k not in present)}")
     if cfg.dspark_target_layer_ids is not None:
         for layer in cfg.dspark_target_layer_ids:
             if not 0 <= layer < cfg.num_hidden_layers:
-                bad(f"dspark_target_layer_ids names layer {layer}, outside 0..{cfg.num_hidden_layers - 1}")
+                bad("dspark_target_layer_ids",
+                    f"dspark_target_layer_ids names layer {layer}, outside 0..{cfg.num_hidden_layers - 1}")
     if cfg.dspark_noise_token_id is not None and not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
-        bad(f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the vocabulary (vocab_size "
-            f"{cfg.vocab_size})")
+        bad("dspark_noise_token_id", f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the "
+            f"vocabulary (vocab_size {cfg.vocab_size})")
     divisible = [
         ("num_attention_heads", cfg.num_attention_heads, "o_groups", cfg.o_groups),
         ("head_dim", cfg.head_dim, "2", 2),
@@ -131,22 +137,25 @@ def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
     ]
     for a, va, b, vb in divisible:
         if va % vb:
-            bad(f"{a} ({va}) must be divisible by {b} ({vb})")
+            bad(a, f"{a} ({va}) must be divisible by {b} ({vb})")
     if cfg.qk_rope_head_dim > min(cfg.head_dim, cfg.index_head_dim):
-        bad(f"qk_rope_head_dim ({cfg.qk_rope_head_dim}) exceeds head_dim or index_head_dim")
+        bad("qk_rope_head_dim", f"qk_rope_head_dim ({cfg.qk_rope_head_dim}) exceeds head_dim or index_head_dim")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        bad(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+        bad("num_experts_per_tok",
+            f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
     if not 0 <= cfg.num_hash_layers <= cfg.num_hidden_layers:
-        bad(f"num_hash_layers ({cfg.num_hash_layers}) must be within 0..num_hidden_layers")
+        bad("num_hash_layers", f"num_hash_layers ({cfg.num_hash_layers}) must be within 0..num_hidden_layers")
     return cfg
 
 
-def config_from_dict(data: dict, where: str, lines: dict | None = None) -> tuple[ModelConfig, list[str]]:
-    """Decode a config mapping; returns the config and the unknown keys that were ignored."""
+def config_from_dict(data: dict, where: str, lines: dict | None = None,
+                     context: str = "") -> tuple[ModelConfig, list[str]]:
+    """Decode a config mapping; returns the config and the unknown keys that were ignored.
+    `where` is the source file (or a description), `lines` maps `(key,)` to its line there."""
     unknown = sorted(k for k in data if k not in CONFIG_KEYS and k not in IGNORED_CHECKPOINT_KEYS)
     clean = {k: v for k, v in data.items() if k in CONFIG_KEYS}
-    cfg = decode(clean, ModelConfig, where, lines or {})
-    return check_config(cfg, where), unknown
+    cfg = decode(clean, ModelConfig, where, lines or {}, context=context)
+    return check_config(cfg, where, lines, context), unknown
 
 
 def load_config_json(path: Path | str) -> tuple[ModelConfig, list[str]]:

@@ -119,7 +119,7 @@ def _check_op_step(step: Step, g: Graph, where: str) -> None:
     _same_keys(step.args, op.inputs, f"{where}: op '{step.op}'", "argument")
     _same_keys(step.attrs, dict.fromkeys(op.attrs), f"{where}: op '{step.op}'", "attr")
     if len(step.out) != len(op.outputs):
-        raise SpecError(f"{where}: op '{step.op}' has {len(op.outputs)} outputs "
+        raise SpecError(f"{where}: op '{step.op}' has {len(op.outputs)} output{'s' if len(op.outputs) != 1 else ''} "
                         f"({', '.join(op.outputs)}), step binds {len(step.out)}")
 
 
@@ -143,9 +143,6 @@ def _same_keys(given: dict, wanted: dict, what: str, noun: str) -> None:
         raise SpecError(f"{what}: {noun} '{missing[0]}' is not bound")
 
 
-_LAYER_FIELDS = set(LayerInfo._fields)
-
-
 def check_attr_expr(value, where: str) -> None:
     """Attr values are literals or expressions reading cfg.<key>, layer.<field>, rope[...]."""
     if not isinstance(value, str):
@@ -158,8 +155,9 @@ def check_attr_expr(value, where: str) -> None:
         if isinstance(node, ast.Name) and node.id not in ATTR_ROOTS + ("True", "False", "None"):
             raise SpecError(f"{where}: unknown name '{node.id}' in '{value}' (accepted: {', '.join(ATTR_ROOTS)})")
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            fields = CONFIG_KEYS if node.value.id == "cfg" else _LAYER_FIELDS if node.value.id == "layer" else None
-            if fields is not None and node.attr not in fields:
-                raise SpecError(f"{where}: '{node.value.id}.{node.attr}' does not exist in '{value}'")
+            fields = {"cfg": ("config key", sorted(CONFIG_KEYS)), "layer": ("layer field", LayerInfo._fields)}
+            what, accepted = fields.get(node.value.id, (None, ()))
+            if what is not None and node.attr not in accepted:
+                raise SpecError(f"{where}: unknown {what} '{node.attr}' in '{value}' (accepted: {', '.join(accepted)})")
         if isinstance(node, (ast.Call, ast.Lambda, ast.ListComp, ast.DictComp, ast.GeneratorExp)):
             raise SpecError(f"{where}: calls and comprehensions are not allowed in attrs ('{value}')")

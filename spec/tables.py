@@ -112,8 +112,8 @@ def load_quant(path: Path = SPEC_DIR / "quant.yaml") -> QuantSpec:
     for name, sel in spec.selected.items():
         for choice, fmt in sel.choices.items():
             if fmt not in spec.formats:
-                raise SpecError(f"{path}:{lines[('selected', name, 'choices', choice)]}: unknown format "
-                                f"'{fmt}' (accepted: {', '.join(spec.formats)})")
+                raise SpecError(f"{path}:{lines[('selected', name, 'choices', choice)]}: choice '{choice}' of "
+                                f"'{name}' names unknown format '{fmt}' (accepted: {', '.join(spec.formats)})")
     return spec
 
 
@@ -136,7 +136,7 @@ def load_tensor_table(path: Path = SPEC_DIR / "tensors.yaml", quant_path: Path =
             try:
                 unknown = expr.names(dim) - env_names
             except expr.ExprError as err:
-                raise SpecError(f"{path}:{line}: {err}") from None
+                raise SpecError(f"{path}:{line}: shape of {entry.key}: {err}") from None
             if unknown:
                 raise SpecError(f"{path}:{line}: shape of {entry.key} uses unknown name "
                                 f"'{sorted(unknown)[0]}' (accepted: config keys, compress_ratio, n_dspark_targets)")

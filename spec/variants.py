@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from spec.config import ModelConfig, config_from_dict
+from spec.config import CONFIG_KEYS, ModelConfig, config_from_dict
 from spec.yamlio import SpecError, decode, load_yaml
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -58,15 +58,20 @@ def variant_config(name: str, overrides: dict[str, object] | None = None) -> Mod
     spec, lines = _load_family(path)
     var = spec.variants[name]
     data = dict(spec.config)
-    for key in var.unset:
+    for i, key in enumerate(var.unset):
         if key not in data:
-            raise SpecError(f"{path}:{lines[('variants', name, 'unset')]}: variant '{name}' unsets "
+            raise SpecError(f"{path}:{lines[('variants', name, 'unset', i)]}: variant '{name}' unsets "
                             f"'{key}', which the base config does not have")
         del data[key]
     data.update(var.set)
-    cfg, unknown = config_from_dict(data, f"{path} (variant {name})", _variant_lines(lines, name))
+    key_lines = _variant_lines(lines, name)
+    # A spec file holds config keys only (checked first: a misspelt key is the likelier cause of
+    # any later error); checkpoint bookkeeping keys are tolerated in config.json, not here.
+    unknown = [k for k in data if k not in CONFIG_KEYS]
     if unknown:
-        raise SpecError(f"{path}: variant '{name}' has unknown config key '{unknown[0]}'")
+        raise SpecError(f"{path}:{key_lines[(unknown[0],)]}: variant '{name}': unknown config key "
+                        f"'{unknown[0]}' (accepted: {', '.join(sorted(CONFIG_KEYS))})")
+    cfg, _ = config_from_dict(data, str(path), key_lines, context=f"variant '{name}': ")
     if overrides:
         cfg = apply_overrides(cfg, overrides, f"variant {name} with --set")
     return cfg
@@ -85,7 +90,6 @@ def apply_overrides(cfg: ModelConfig, overrides: dict[str, object], where: str) 
     data.update(overrides)
     new, unknown = config_from_dict(data, where)
     if unknown:
-        from spec.config import CONFIG_KEYS
         raise SpecError(f"{where}: unknown config key '{unknown[0]}' (accepted: {', '.join(sorted(CONFIG_KEYS))})")
     return new
 

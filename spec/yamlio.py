@@ -53,6 +53,8 @@ def load_yaml(path: Path | str) -> tuple[object, dict[Path_, int]]:
         raise SpecError(f"{path}:{line}: invalid YAML: {getattr(err, 'problem', err)}") from None
     finally:
         loader.dispose()
+    if node is None:
+        raise SpecError(f"{path}:1: the file holds no YAML document")
     lines: dict[Path_, int] = {}
     data = _to_data(node, (), lines, str(path))
     return data, lines
@@ -81,8 +83,9 @@ def _bare_loader():
     return _StrictLoader("")
 
 
-_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_PATH_RE = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _STEP_RE = re.compile(r"\.([A-Za-z_][\w\-]*)|\[(\d+)\]|\[\.\.\.\]")
+_SOME_KEY = object()  # msgspec writes `[...]` for a dict key without naming it
 
 
 def _parse_path(text: str) -> Path_:
@@ -92,24 +95,62 @@ def _parse_path(text: str) -> Path_:
             out.append(m.group(1))
         elif m.group(2) is not None:
             out.append(int(m.group(2)))
+        else:
+            out.append(_SOME_KEY)
     return tuple(out)
 
 
-def decode(data: object, typ: type, fname: str, lines: dict[Path_, int], at: Path_ = ()):
-    """msgspec-convert `data` into `typ`; on failure raise SpecError with file, line, alternatives."""
+def _converts(value, typ) -> bool:
+    try:
+        msgspec.convert(value, typ, strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _name_keys(data, typ, path: tuple, bad_key: bool) -> tuple[Path_, object]:
+    """Name msgspec's unnamed dict keys: each is the first key whose value does not convert (or,
+    for an error in a key itself, the first key that does not). Returns the named path and the type
+    found at its end (for a bad key, the key type, whose choices the message lists)."""
+    out: list = []
+    typ = _unwrap(typ)
+    for i, step in enumerate(path + ((_SOME_KEY,) if bad_key else ())):
+        if step is _SOME_KEY:
+            if typing.get_origin(typ) is not dict or not isinstance(data, dict):
+                break
+            key_t, value_t = typing.get_args(typ)
+            if i == len(path):  # the failing key itself
+                key = next((k for k in data if not _converts(k, key_t)), None)
+                return tuple(out) + ((key,) if key is not None else ()), _unwrap(key_t)
+            step = next((k for k, v in data.items() if not _converts(v, value_t)), None)
+            if step is None:
+                break
+        out.append(step)
+        typ = _type_at(typ, (step,))
+        if isinstance(data, dict):
+            data = data.get(step)
+        elif isinstance(data, list) and isinstance(step, int) and step < len(data):
+            data = data[step]
+        else:
+            data = None
+    return tuple(out), typ
+
+
+def decode(data: object, typ: type, fname: str, lines: dict[Path_, int], at: Path_ = (), context: str = ""):
+    """msgspec-convert `data` into `typ`; on failure raise SpecError with file, line, alternatives.
+    `context` (e.g. "variant 'tiny': ") goes right after `file:line: `."""
     try:
         return msgspec.convert(data, typ, strict=True)
     except msgspec.ValidationError as err:
-        raise _explain(str(err), typ, fname, lines, at) from None
+        raise _explain(str(err), data, typ, fname, lines, at, context) from None
 
 
-def _explain(message: str, typ: type, fname: str, lines: dict, at: Path_) -> SpecError:
+def _explain(message: str, data, typ: type, fname: str, lines: dict, at: Path_, context: str = "") -> SpecError:
     m = _PATH_RE.search(message)
-    path = _parse_path(m.group("path")) if m else ()
+    path, target = _name_keys(data, typ, _parse_path(m.group("path")) if m else (), bool(m and m.group("key")))
     base = message[: m.start()] if m else message
     unknown = re.match(r"Object contains unknown field `(.+)`", base)
     missing = re.match(r"Object missing required field `(.+)`", base)
-    target = _type_at(typ, path)
     if unknown:
         field = unknown.group(1)
         path = path + (field,)  # msgspec points at the object; the key's own line is more useful
@@ -124,7 +165,7 @@ def _explain(message: str, typ: type, fname: str, lines: dict, at: Path_) -> Spe
             text += f" (accepted: {', '.join(map(str, choices))})"
     where = ".".join(str(p) for p in path)
     line = _line_for(lines, at + path)
-    return SpecError(f"{fname}:{line}: {text}" + (f" at '{where}'" if where else ""))
+    return SpecError(f"{fname}:{line}: {context}{text}" + (f" at '{where}'" if where else ""))
 
 
 def _line_for(lines: dict, path: Path_) -> int | str:

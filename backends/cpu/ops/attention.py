@@ -13,25 +13,35 @@ import torch
 from lib.batch import Batch
 
 
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
+                 ratio: int, weight_scale: float) -> torch.Tensor:
+    """Indexer scores of one sequence's queries [n, E] (fp64); entries not yet complete are -inf.
+
+    score(t, w) = sum_j weight_scale * weights[t, j] * ReLU(q[t, j] . keys[w]), visible iff
+    w < (t + 1) / ratio.
+    """
+    ws = weights.double() * weight_scale
+    scores = (ws.unsqueeze(-1) * torch.relu(torch.einsum("thd,ed->the", q.double(), keys.double()))).sum(1)
+    visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
+    return torch.where(visible, scores, float("-inf"))
+
+
 def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,
                  topk: int, ratio: int, weight_scale: float) -> torch.Tensor:
     """Top-k compressed entries per query (§3.8) -> [T, topk] sequence-local entry ids, -1 = none.
 
     q [T, Hi, Di] indexer queries (RoPE applied); weights [T, Hi] head weights (W_iw h), scaled
-    here by `weight_scale` = Di^-1/2 * Hi^-1/2; keys[s] [E_s, Di] the sequence's indexer entries.
+    by `weight_scale` = Di^-1/2 * Hi^-1/2; keys[s] [E_s, Di] the sequence's indexer entries.
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
     for seg in batch.segments():
         k = keys[seg.index]
         if k.shape[0] == 0:
             continue
-        qs, ws = q[seg.lo:seg.hi].double(), weights[seg.lo:seg.hi].double() * weight_scale
-        scores = (ws.unsqueeze(-1) * torch.relu(torch.einsum("thd,ed->the", qs, k.double()))).sum(1)  # [n, E]
-        ready = (batch.positions[seg.lo:seg.hi] + 1) // ratio                 # entries w < ready are complete
-        visible = torch.arange(k.shape[0])[None, :] < ready[:, None]
-        scores = torch.where(visible, scores, float("-inf"))
-        picked = scores.topk(min(topk, k.shape[0]), dim=-1).indices             # [n, k']
-        valid = torch.gather(visible, 1, picked)
+        scores = index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k, batch.positions[seg.lo:seg.hi],
+                              ratio=ratio, weight_scale=weight_scale)
+        picked = scores.topk(min(topk, k.shape[0]), dim=-1).indices               # [n, k']
+        valid = torch.isfinite(torch.gather(scores, 1, picked))
         out[seg.lo:seg.hi, : picked.shape[1]] = torch.where(valid, picked, -1)
     return out
 
