@@ -57,11 +57,22 @@ def write_checkpoint(out: Path | str, tensors: dict[str, torch.Tensor], side_fil
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
                 f.write(content)
+        _publish_modes(tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _publish_modes(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder: give the finished checkpoint the modes a plain mkdir/open would
+    (umask applied), so a shared cache or a server running as another user can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -16,7 +16,7 @@ def _cmd_make_tiny(args) -> int:
     from spec.variants import parse_set_args
 
     out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
-                    overwrite=args.force)
+                    overwrite=args.force, progress=True)
     print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
     return 0
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from lib import formats
 from lib.ckpt_write import write_checkpoint
@@ -60,11 +61,11 @@ def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
     return normal(1.0 / fan_in ** 0.5)
 
 
-def tiny_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def tiny_tensors(cfg: ModelConfig, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
     """Every stored tensor of a checkpoint with this config, keyed by official name."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for t in expand(cfg):
+    for t in tqdm(expand(cfg), desc="making weights", unit="tensor", disable=not progress, leave=False):
         stored = formats.encode(t.format, _init(t, cfg, gen), cfg)
         for part in t.parts:
             out[part.key] = stored[part.role]
@@ -84,9 +85,14 @@ def side_files(cfg: ModelConfig) -> dict[str, str]:
 
 
 def make_tiny(out: Path | str, seed: int = TINY_SEED, overrides: dict | None = None, shards: int = 4,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, progress: bool = False) -> Path:
     cfg = variant_config(TINY_VARIANT, overrides)
-    return write_checkpoint(out, tiny_tensors(cfg, seed), side_files(cfg), shards=shards, overwrite=overwrite)
+    out = Path(out)
+    # refuse cheap-to-detect problems before spending time on the weights
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
+    files = side_files(cfg)                       # builds the tokenizer: rejects a too-small vocab_size
+    return write_checkpoint(out, tiny_tensors(cfg, seed, progress), files, shards=shards, overwrite=overwrite)
 
 
 def cache_root() -> Path:

@@ -114,8 +114,11 @@ def check_config(cfg: ModelConfig, where: str, lines: dict | None = None, contex
     if any(r < 0 for r in cfg.compress_ratios):
         bad("compress_ratios", "compress_ratios entries must be >= 0")
     if any(r for r in cfg.compress_ratios[cfg.num_hidden_layers:]):
+        tail = list(cfg.compress_ratios[cfg.num_hidden_layers:])
         bad("compress_ratios",
-            "drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention)")
+            f"drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention): its "
+            f"first num_hidden_layers ({cfg.num_hidden_layers}) entries are backbone layers and the remaining "
+            f"{len(tail)} are drafter stages, found {tail}; change compress_ratios together with num_hidden_layers")
     dspark = {k: getattr(cfg, k) for k in ("dspark_block_size", "dspark_noise_token_id",
                                            "dspark_target_layer_ids", "dspark_markov_rank")}
     present = [k for k, v in dspark.items() if v is not None]

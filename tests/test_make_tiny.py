@@ -302,7 +302,8 @@ def test_set_overrides_through_the_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("sets, fragments", [
     # 9 compress_ratios with 4 layers leaves [4, 8, 0, 0, 0] as drafter entries
-    (["num_hidden_layers=4"], ["drafter-stage entries of compress_ratios must be 0"]),
+    (["num_hidden_layers=4"], ["drafter-stage entries of compress_ratios must be 0",
+                                "num_hidden_layers (4)", "found [4, 8, 0, 0, 0]"]),
     (["num_hidden_layers=10"], ["compress_ratios has 9 entries, fewer than num_hidden_layers (10)"]),
     (["dspark_target_layer_ids=[3,4,6]"], ["dspark_target_layer_ids names layer 6, outside 0..5"]),
     (["hiden_size=1"], ["unknown config key 'hiden_size'", "hidden_size"]),

@@ -257,7 +257,9 @@ def bad_config(**changes):
     ({"compress_ratios": (0, 0, 4, -8, 4, 8, 0, 0, 0)}, "compress_ratios",
      "compress_ratios entries must be >= 0"),
     ({"compress_ratios": (0, 0, 4, 8, 4, 8, 0, 4, 0)}, "compress_ratios",
-     "drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention)"),
+     "drafter-stage entries of compress_ratios must be 0 (drafter stages use sliding attention): its first "
+     "num_hidden_layers (6) entries are backbone layers and the remaining 3 are drafter stages, found [0, 4, 0]; "
+     "change compress_ratios together with num_hidden_layers"),
     ({"dspark_block_size": None}, "dspark_noise_token_id",
      "the dspark_* keys must be all present (DeepSeek-V4-Flash-0731) or all absent (preview); "
      "missing: dspark_block_size"),
