@@ -42,7 +42,7 @@ def render(backend: str) -> dict[str, str]:
     lowered = lower(load_graph(), profile, table)
     runtime = load_runtime_formats().formats
     formats = {cls: profile.runtime_format(cls) for cls in table.classes}
-    used = sorted(set(formats.values()))
+    used = sorted(set(formats.values()) | set(profile.expert_modes.values()))
     by_impl: dict[str, int] = {}
     for op in lowered.ops:
         by_impl[op.impl] = by_impl.get(op.impl, 0) + 1
@@ -62,6 +62,7 @@ def render(backend: str) -> dict[str, str]:
                      "patterns": ", ".join(dict.fromkeys(f"`{e.key}`" for e in table.entries if e.tensor_class == cls))}
                     for cls, fmt in sorted(formats.items())],
         "lessons": sorted(profile.lessons.items()),
+        "expert_modes": sorted(profile.expert_modes.items()),
     }
     env = _env()
     return {

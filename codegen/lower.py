@@ -29,9 +29,11 @@ class Function(NamedTuple):
 
 class OpUse(NamedTuple):
     op: str
+    format: str            # runtime format of the op's dispatch port ("" when it has none)
     impl: str
     call: str
     reason: str
+    device_ops: tuple[str, ...]
     lessons: tuple[str, ...]
 
 
@@ -53,7 +55,8 @@ def _combos(kind: dict[str, str]) -> list[tuple[str, str]]:
 
 def _combo_keys(table: TensorTable, attention: str, routing: str) -> set[str]:
     layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
-    return {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
+    stored = {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
+    return stored | {d.key for d in table.derived if d.scope == "block" and d.when.matches(layer)}
 
 
 def layer_param_keys(table: TensorTable, kind: dict[str, str], every: bool = True) -> set[str]:
@@ -79,12 +82,28 @@ class _Lowerer:
     def __init__(self, lg: LoadedGraph, profile: Profile, table: TensorTable):
         self.lg, self.profile, self.table = lg, profile, table
         self.modules: dict[str, str] = {}     # module path -> alias
-        self.ops: dict[str, OpUse] = {}
+        self.ops: dict[tuple[str, str], OpUse] = {}
 
-    def impl(self, op: str) -> str:
-        low = self.profile.lowering(op)
+    def dispatch_format(self, op: str, step: Step, scope: str, kind: dict[str, str], where: str) -> str | None:
+        """Runtime format of the parameter bound to the op's dispatch port (profile table lookup)."""
+        port = self.lg.graph.ops[op].dispatch_on
+        if port is None or not self.profile.ops.get(op) or not self.profile.ops[op].by_format:
+            return None
+        ref = step.args[port]
+        if not ref.startswith("p."):
+            raise SpecError(f"{where}: op '{op}' dispatches on '{port}', which must be bound to a parameter (p.<key>)")
+        key = ref[2:]
+        classes = {e.tensor_class for e in self.table.entries
+                   if _runtime_key(e.key) == key and (e.scope == "block") == (scope == "layer")}
+        formats = {self.profile.runtime_format(c) for c in classes}
+        if len(formats) != 1:
+            raise SpecError(f"{where}: parameter '{key}' has runtime formats {sorted(formats)}; expected exactly one")
+        return formats.pop()
+
+    def impl(self, op: str, fmt: str | None = None) -> str:
+        low = self.profile.lowering(op, fmt)
         ref = self.lg.graph.ops[op].reference if low.impl == "reference" else low.call
-        self.ops[op] = OpUse(op, low.impl, ref, low.reason, low.lessons)
+        self.ops[(op, fmt or "")] = OpUse(op, fmt or "", low.impl, ref, low.reason, low.device_ops, low.lessons)
         module, _, fn = ref.partition(":")
         alias = self.modules.setdefault(module, "_" + module.split(".")[-1])
         return f"{alias}.{fn}"
@@ -93,7 +112,8 @@ class _Lowerer:
         prog = self.lg.graph.programs[name]
         scope = "layer" if prog.params == "layer" else "model"
         pkeys = (layer_param_keys(self.table, kind) if scope == "layer"
-                 else {e.key for e in self.table.entries if e.scope == "model"})
+                 else {e.key for e in self.table.entries if e.scope == "model"}
+                 | {d.key for d in self.table.derived if d.scope == "model"})
         env = set(prog.inputs)
         body: list[str] = []
         for i, step in enumerate(prog.steps):
@@ -103,7 +123,8 @@ class _Lowerer:
             args = [self.value(v, env, pkeys, scope, where, kind) for v in step.args.values()]
             if step.op is not None:
                 attrs = [f"{k}={v}" for k, v in step.attrs.items()]
-                body += _assign(step.out, f"{self.impl(step.op)}(", args + attrs)
+                fmt = self.dispatch_format(step.op, step, scope, kind, where)
+                body += _assign(step.out, f"{self.impl(step.op, fmt)}(", args + attrs)
             elif step.loop is not None:
                 body += self.loop(step, args, where)
             else:

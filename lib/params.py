@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from lib.checkpoint import Checkpoint, LoadLedger
 from lib.formats import resolve
-from spec.tables import Logical
+from spec.schedule import schedule
+from spec.tables import Logical, load_tensor_table
 
 
 class Params(NamedTuple):
@@ -23,13 +24,31 @@ class Params(NamedTuple):
     drafter: tuple[dict[str, torch.Tensor], ...]
 
 
+class LoadOptions(NamedTuple):
+    """Load-time choices that change runtime formats or placement, never the model's meaning."""
+    expert_mode: str | None = None     # backend expert mode (ascend310p: resident | streaming | preconverted)
+    ep_size: int = 1                   # expert-parallel group size
+    ep_rank: int = 0                   # this process's EP rank
+    ep_simulate: bool = False          # run every EP rank's share in this process (conformance)
+
+
+def stack(values: list):
+    """Stack per-expert runtime values: tensors, or records (NamedTuples) of tensors field by field."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)
+    return type(first)(*(torch.stack(parts) for parts in zip(*values)))
+
+
 def runtime_key(logical: Logical) -> str:
     """Key inside its scope's dict: official key relative to the block, experts un-numbered."""
     return logical.entry.key.replace("{expert}.", "")
 
 
-def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False) -> Params:
-    """Convert every logical tensor with the converter the backend's table names for it."""
+def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False,
+                options: LoadOptions = LoadOptions()) -> Params:
+    """Convert every logical tensor with the converter the backend's table names for it, then
+    build the derived runtime parameters (tensors.yaml `derived`)."""
     ledger = LoadLedger(ckpt.logical)
     model: dict[str, torch.Tensor] = {}
     blocks: dict[str, dict[str, object]] = {}
@@ -44,10 +63,23 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
         else:
             blocks.setdefault(t.layer.prefix, {})[runtime_key(t)] = value
     for (prefix, key), values in expert_parts.items():
-        blocks.setdefault(prefix, {})[key] = torch.stack(values)   # [E, rows, cols], expert order
+        blocks.setdefault(prefix, {})[key] = stack(values)   # [E, rows, cols], expert order
     ledger.check()
+    _add_derived(blocks, model, ckpt.config, options)
     n = ckpt.config.num_hidden_layers
     stages = len(ckpt.config.compress_ratios) - n
     layers = tuple(blocks.get(f"layers.{i}", {}) for i in range(n))
     drafter = tuple(blocks.get(f"mtp.{s}", {}) for s in range(stages))
     return Params(model, layers, drafter)
+
+
+def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:
+    table = load_tensor_table()
+    for d in table.derived:
+        build = resolve(d.build)
+        if d.scope == "model":
+            model[d.key] = build(cfg, None, options)
+            continue
+        for layer in schedule(cfg):
+            if d.when.matches(layer):
+                blocks.setdefault(layer.prefix, {})[d.key] = build(cfg, layer, options)

@@ -32,6 +32,7 @@ class OpDef(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     outputs: dict[str, str]
     reference: str
     attrs: tuple[str, ...] = ()
+    dispatch_on: str | None = None      # input port whose runtime format selects the lowering
 
 
 class StepWhen(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -96,6 +97,10 @@ def load_graph(path: Path = GRAPH_PATH) -> LoadedGraph:
 
 def check_graph(lg: LoadedGraph) -> None:
     g = lg.graph
+    for name, op in g.ops.items():
+        if op.dispatch_on is not None and op.dispatch_on not in op.inputs:
+            raise SpecError(f"{lg.path}:{lg.lines[('ops', name)]}: op '{name}' dispatches on '{op.dispatch_on}', "
+                            f"which is not one of its inputs ({', '.join(op.inputs)})")
     for name, prog in g.programs.items():
         if prog.variants == "attention" and prog.params != "layer":
             raise SpecError(f"{lg.path}:{lg.lines[('programs', name)]}: program '{name}' has variants but no layer")

@@ -24,8 +24,22 @@ LessonId = str
 class Lowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     impl: Literal["reference", "composite", "native"]
     reason: str
-    call: str | None = None                 # "module:function" for composite / native
+    call: str | None = None                 # "module:function" with the op's port signature
+    device_ops: tuple[str, ...] = ()        # device ops (backends/<name>/device.py) that call launches
     lessons: tuple[LessonId, ...] = ()
+
+
+class OpLowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How one graph op lowers: one way, or one way per runtime format of its `dispatch_on` port."""
+    impl: Literal["reference", "composite", "native"] | None = None
+    reason: str | None = None
+    call: str | None = None
+    device_ops: tuple[str, ...] = ()
+    lessons: tuple[LessonId, ...] = ()
+    by_format: dict[str, Lowering] = {}
+
+    def single(self) -> Lowering:
+        return Lowering(self.impl, self.reason, self.call, self.device_ops, self.lessons)
 
 
 class DTypes(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -43,6 +57,11 @@ class RuntimeFormats(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classes: dict[str, str] = {}            # tensor class -> runtime format, overriding default
 
 
+class DeviceOp(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    doc: str
+    lessons: tuple[LessonId, ...] = ()
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -50,12 +69,24 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dtypes: DTypes
     op_default: Lowering
     runtime_formats: RuntimeFormats
-    ops: dict[str, Lowering] = {}
+    ops: dict[str, OpLowering] = {}
+    device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device.py
+    forbidden_ops: dict[str, str] = {}      # aten ops the device must never see on a hot path -> why
+    expert_modes: dict[str, str] = {}       # routed-expert mode -> runtime format of class routed_expert
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
 
-    def lowering(self, op: str) -> Lowering:
-        return self.ops.get(op, self.op_default)
+    def lowering(self, op: str, fmt: str | None = None) -> Lowering:
+        """The lowering of `op`; `fmt` is the runtime format of its dispatch port, if it has one."""
+        entry = self.ops.get(op)
+        if entry is None:
+            return self.op_default
+        if entry.by_format:
+            if fmt not in entry.by_format:
+                raise SpecError(f"backend '{self.name}' has no lowering of op '{op}' for runtime format "
+                                f"'{fmt}' (has: {', '.join(entry.by_format)})")
+            return entry.by_format[fmt]
+        return entry.single()
 
     def runtime_format(self, tensor_class: str) -> str:
         return self.runtime_formats.classes.get(tensor_class, self.runtime_formats.default)
@@ -110,7 +141,27 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
     if prof.runtime_formats.default not in runtime:
         raise SpecError(f"{path}:{lines[('runtime_formats', 'default')]}: unknown runtime format "
                         f"'{prof.runtime_formats.default}' (accepted: {', '.join(runtime)})")
-    for op, low in prof.ops.items():
-        if low.impl != "reference" and low.call is None:
-            raise SpecError(f"{path}:{lines[('ops', op)]}: op '{op}' lowers to {low.impl} but names no 'call'")
+    for op, entry in prof.ops.items():
+        where = f"{path}:{lines[('ops', op)]}"
+        lows = entry.by_format.items() if entry.by_format else [(None, entry.single())]
+        if entry.by_format and entry.impl is not None:
+            raise SpecError(f"{where}: op '{op}' has both a single lowering and 'by_format'")
+        if entry.by_format and ops[op].dispatch_on is None:
+            raise SpecError(f"{where}: op '{op}' has no dispatch_on port in graph.yaml, so 'by_format' cannot apply")
+        for fmt, low in lows:
+            what = f"op '{op}'" + (f" for format '{fmt}'" if fmt else "")
+            if fmt is not None and fmt not in runtime:
+                raise SpecError(f"{where}: {what}: unknown runtime format (accepted: {', '.join(runtime)})")
+            if low.impl is None or low.reason is None:
+                raise SpecError(f"{where}: {what} needs 'impl' and 'reason'")
+            if low.impl != "reference" and low.call is None:
+                raise SpecError(f"{where}: {what} lowers to {low.impl} but names no 'call'")
+            for dev in low.device_ops:
+                if dev not in prof.device_ops:
+                    raise SpecError(f"{where}: {what} launches device op '{dev}', which the profile's "
+                                    f"device_ops does not list (accepted: {', '.join(prof.device_ops) or 'none'})")
+    for mode, fmt in prof.expert_modes.items():
+        if fmt not in runtime:
+            raise SpecError(f"{path}:{lines[('expert_modes', mode)]}: expert mode '{mode}' names unknown runtime "
+                            f"format '{fmt}' (accepted: {', '.join(runtime)})")
     return prof

@@ -81,9 +81,19 @@ class Entry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     when: When = When()
 
 
+class Derived(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A runtime parameter the loader builds (not stored in the checkpoint)."""
+    key: str
+    scope: Literal["model", "block"]
+    doc: str
+    build: str                  # "module:function" (cfg, layer, options) -> value
+    when: When = When()
+
+
 class TensorTable(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classes: dict[str, str]
     entries: tuple[Entry, ...]
+    derived: tuple[Derived, ...] = ()
 
 
 class Stored(NamedTuple):

@@ -333,10 +333,14 @@ def test_params_hold_every_tensor_per_block(tiny_ckpt, tiny_model):
     assert set(params.model) == want["model"] == {"embed.weight", "head.weight", "norm.weight",
                                                   "hc_head_fn", "hc_head_base", "hc_head_scale"}
     assert len(params.layers) == 6 and len(params.drafter) == 3
+    derived = {"ffn.experts.placement"}           # built by the loader (tensors.yaml `derived`)
     for i, block in enumerate(params.layers):
-        assert set(block) == want[f"layers.{i}"], i
+        assert set(block) == want[f"layers.{i}"] | derived, i
     for s, block in enumerate(params.drafter):
-        assert set(block) == want[f"mtp.{s}"], s
+        assert set(block) == want[f"mtp.{s}"] | derived, s
+    placement = params.layers[0]["ffn.experts.placement"]
+    assert placement.ep_size == 1 and placement.ranks == (0,)
+    assert placement.local_of.tolist() == [list(range(8))]
     assert "main_proj.weight" in params.drafter[0] and "main_proj.weight" not in params.drafter[1]
     assert params.drafter[2]["markov_head.markov_w1.weight"].shape == (1024, 16)
     assert "attn.indexer.wq_b.weight" in params.layers[2] and "attn.indexer.wq_b.weight" not in params.layers[3]
@@ -359,7 +363,8 @@ def test_params_share_embed_and_head_with_the_drafter(tiny_ckpt, tiny_model):
     for key in ("embed.weight", "head.weight"):
         assert torch.equal(params.model[key], ckpt.read(key).float())
         assert all(key not in block for block in (*params.layers, *params.drafter))
-    tensors = [v for block in (params.model, *params.layers, *params.drafter) for v in block.values()]
+    tensors = [v for block in (params.model, *params.layers, *params.drafter) for v in block.values()
+               if isinstance(v, torch.Tensor)]
     assert all(bool(torch.isfinite(v).all()) for v in tensors if v.is_floating_point())   # nothing uninitialised
     assert params.layers[0]["ffn.gate.tid2eid"].dtype == torch.int64
 

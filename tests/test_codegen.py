@@ -18,7 +18,7 @@ from lib.cli import main
 from lib.runtime import load_model
 from lib.tiny import make_tiny
 from spec.graph import load_graph
-from spec.profile import Lowering, backend_names, load_profile
+from spec.profile import OpLowering, backend_names, load_profile
 from spec.tables import load_tensor_table
 
 
@@ -74,7 +74,7 @@ def test_profile_table_decides_the_lowering():
     """A profile row mapping an op to a composite changes the generated call, nothing else does."""
     graph, table = load_graph(), load_tensor_table()
     cpu = load_profile("cpu")
-    custom = msgspec.structs.replace(cpu, ops={"rms_norm": Lowering(
+    custom = msgspec.structs.replace(cpu, ops={"rms_norm": OpLowering(
         impl="composite", reason="test: a device norm", call="backends.cpu.ops.basic:rms_norm_composite")})
     base = {f.name: f for f in lower(graph, cpu, table).functions}
     changed = {f.name: f for f in lower(graph, custom, table).functions}

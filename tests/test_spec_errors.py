@@ -358,7 +358,8 @@ def test_graph_reads_parameter_a_layer_kind_lacks(tmp_path):
 def test_graph_reads_unknown_parameter(tmp_path):
     p = graph(tmp_path, "bias: p.ffn.gate.bias}", "bias: p.ffn.gate.bais}")
     keys = ("attn.attn_sink, attn.kv_norm.weight, attn.q_norm.weight, attn.wkv.weight, attn.wo_a.weight, "
-            "attn.wo_b.weight, attn.wq_a.weight, attn.wq_b.weight, attn_norm.weight, ffn.experts.w1.weight, "
+            "attn.wo_b.weight, attn.wq_a.weight, attn.wq_b.weight, attn_norm.weight, ffn.experts.placement, "
+            "ffn.experts.w1.weight, "
             "ffn.experts.w2.weight, ffn.experts.w3.weight, ffn.gate.bias, ffn.gate.weight, "
             "ffn.shared_experts.w1.weight, ffn.shared_experts.w2.weight, ffn.shared_experts.w3.weight, "
             "ffn_norm.weight, hc_attn_base, hc_attn_fn, hc_attn_scale, hc_ffn_base, hc_ffn_fn, hc_ffn_scale")

@@ -50,8 +50,10 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
-                   w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I]."""
+                   w3: torch.Tensor, w2: torch.Tensor, placement, limit: float) -> torch.Tensor:
+    """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
+
+    `placement` (EP) decides where experts run, not what they compute: unused here."""
     x = x.double()
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
