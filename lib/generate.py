@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from lib.batch import make_batch
-from lib.runtime import Model, new_cache, step
+from lib.runtime import Model, step
 
 
 def greedy(model: Model, prompt_ids: list[int], max_tokens: int, stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
@@ -21,7 +21,7 @@ def greedy(model: Model, prompt_ids: list[int], max_tokens: int, stop_ids: froze
     if len(prompt_ids) + max_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_tokens}) exceeds "
                          f"max_position_embeddings ({limit})")
-    caches = [new_cache(model.cfg)]
+    caches = [model.new_cache()]
     logits, caches = step(model, make_batch([prompt_ids], last_only=True), caches)
     position = len(prompt_ids)
     for _ in range(max_tokens):
@@ -40,5 +40,5 @@ def all_logits(model: Model, ids: list[int]) -> torch.Tensor:
     bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size {model.cfg.vocab_size})")
-    logits, _ = step(model, make_batch([ids]), [new_cache(model.cfg)])
+    logits, _ = step(model, make_batch([ids]), [model.new_cache()])
     return logits

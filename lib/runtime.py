@@ -15,6 +15,7 @@ import torch
 
 from lib.batch import Batch
 from lib.checkpoint import Checkpoint
+from lib.params import LoadOptions
 from lib.rope import rope_tables
 from lib.state import LayerCache, SeqCache, empty_compressor
 from spec.config import ModelConfig
@@ -29,6 +30,10 @@ class Model(NamedTuple):
     rope: dict[str, torch.Tensor]    # RoPE frequency tables by name
     forward: Any                     # the backend's generated `forward`
     root: Path
+    state_dtype: torch.dtype         # dtype of KV windows and compressed entries (the compute dtype)
+
+    def new_cache(self) -> SeqCache:
+        return new_cache(self.cfg, self.state_dtype)
 
 
 def backend_module(backend: str, name: str):
@@ -36,24 +41,27 @@ def backend_module(backend: str, name: str):
     return importlib.import_module(f"backends.{backend}._generated.{name}")
 
 
-def load_model(path: Path | str, backend: str = "cpu", progress: bool = False) -> Model:
+def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
+               options: LoadOptions = LoadOptions()) -> Model:
     ckpt = Checkpoint(path)
-    params = backend_module(backend, "loader").load(ckpt, progress=progress)
+    params = backend_module(backend, "loader").load(ckpt, progress=progress, options=options)
     forward = backend_module(backend, "model").forward
-    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), forward, Path(path))
+    dtype = getattr(torch, load_profile(backend).compute_dtype)
+    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), forward, Path(path), dtype)
 
 
-def new_cache(cfg: ModelConfig) -> SeqCache:
-    """The state of a sequence with no tokens yet."""
+def new_cache(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:
+    """The state of a sequence with no tokens yet; windows and entries in `dtype`, compressor
+    buffers in fp32 (they feed a softmax)."""
     layers = []
     for layer in backbone(cfg):
-        window = torch.zeros(0, cfg.head_dim)
+        window = torch.zeros(0, cfg.head_dim, dtype=dtype)
         comp = index = None
         if layer.attention == "csa":
-            comp = empty_compressor(2 * cfg.head_dim, cfg.head_dim)
-            index = empty_compressor(2 * cfg.index_head_dim, cfg.index_head_dim)
+            comp = empty_compressor(2 * cfg.head_dim, cfg.head_dim, entry_dtype=dtype)
+            index = empty_compressor(2 * cfg.index_head_dim, cfg.index_head_dim, entry_dtype=dtype)
         elif layer.attention == "hca":
-            comp = empty_compressor(cfg.head_dim, cfg.head_dim)
+            comp = empty_compressor(cfg.head_dim, cfg.head_dim, entry_dtype=dtype)
         layers.append(LayerCache(window, comp, index))
     return SeqCache(0, tuple(layers))
 

@@ -31,7 +31,8 @@ class SeqCache(NamedTuple):
     layers: tuple[LayerCache, ...]   # one per backbone layer, schedule order
 
 
-def empty_compressor(channels: int, entry_dim: int, dtype=torch.float32) -> CompressorState:
-    z = torch.zeros
-    return CompressorState(z(0, channels, dtype=dtype), z(0, channels, dtype=dtype),
-                           z(0, entry_dim, dtype=dtype), z(0, entry_dim, dtype=dtype), z(0, entry_dim, dtype=dtype))
+def empty_compressor(channels: int, entry_dim: int, entry_dtype=torch.float32) -> CompressorState:
+    f32 = torch.float32
+    return CompressorState(torch.zeros(0, channels, dtype=f32), torch.zeros(0, channels, dtype=f32),
+                           torch.zeros(0, entry_dim, dtype=f32), torch.zeros(0, entry_dim, dtype=f32),
+                           torch.zeros(0, entry_dim, dtype=entry_dtype))

@@ -1,0 +1,1 @@
+"""Ascend 310P (Atlas 300I Duo) backend: device ops in `device.py` (torch_npu, or the quirk-faithful CPU emulation)."""

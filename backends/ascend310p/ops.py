@@ -1,0 +1,104 @@
+"""ascend310p lowerings: the shared composites bound to fp16 and to the 310P device ops.
+
+Every function has its graph op's port signature (profile.yaml names it). Device ops come only
+from backends/ascend310p/device.py, so on a real 310P they are torch_npu kernels and on a CPU
+they are the quirk-faithful emulation; this module must not know which.
+"""
+from __future__ import annotations
+
+import torch
+
+from backends.ascend310p import device
+from backends.common import hc, moe
+from lib.placement import ExpertPlacement
+from lib.wformats import W8A8, PackedFP4, packed_fp4_to_w8a8
+
+DTYPE = torch.float16
+UNPERMUTE_HIDDEN_MULTIPLE = 128     # npu_moe_token_unpermute needs hidden % 128 == 0 (L08)
+
+
+def rms_norm(x, weight, eps: float):
+    y, _ = device.npu_rms_norm(x.to(DTYPE), weight, eps)
+    return y
+
+
+def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
+    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE)
+
+
+def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
+    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
+
+
+def linear_w8a8(x, weight: W8A8):
+    """Dynamic per-token int8 quant + int8 GEMM + dequant, one fused 310P op (fp16 out)."""
+    return device.npu_quant_matmul_dequant(x.to(DTYPE), weight.qweight, weight.scale)
+
+
+def _grouped(x, weight: W8A8, group_list):
+    """Grouped W8A8 GEMM; a single group is padded with a zero second group (L09)."""
+    q, s = weight.qweight, weight.scale
+    if q.shape[0] == 1:
+        q = torch.cat((q, torch.zeros_like(q)))
+        s = torch.cat((s, torch.ones_like(s)))
+        group_list = torch.cat((group_list, group_list[-1:]))
+    return device.npu_quant_grouped_matmul_dequant(x.to(DTYPE), q, s, group_list)
+
+
+def grouped_linear_w8a8(x, weight: W8A8, groups: int):
+    """wo_a: head group g [T, H/G*D] through rows [gR, (g+1)R) as a grouped GEMM over G groups."""
+    t = x.shape[0]
+    xg = x.reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)          # rows grouped by g
+    wg = W8A8(weight.qweight.reshape(groups, -1, weight.qweight.shape[-1]), weight.scale.reshape(groups, -1))
+    group_list = torch.arange(1, groups + 1, dtype=torch.int64) * t                # cumulative (L07)
+    y = _grouped(xg, wg, group_list)                                               # [G*T, R]
+    return y.reshape(groups, t, -1).transpose(0, 1).reshape(t, -1)
+
+
+def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):
+    """gate/up with fp16 output (INT32 output is refused on 310P, L03), clipped SwiGLU in fp32,
+    then the down projection requantises the activation per token."""
+    gate, up = linear_w8a8(x, w1), linear_w8a8(x, w3)
+    return linear_w8a8(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2)
+
+
+def _expert_slice(w: W8A8, placement: ExpertPlacement, rank: int) -> W8A8:
+    """This rank's experts: all of them are present only when EP is simulated in one process."""
+    if w.qweight.shape[0] == placement.n_local:
+        return w
+    sl = placement.experts_of(rank)
+    return W8A8(w.qweight[sl], w.scale[sl])
+
+
+def _rank_moe(x, weights, ids, w1: W8A8, w3: W8A8, w2: W8A8, local_of, n_local: int, limit: float):
+    """One EP rank's share: local ids (others -> dummy slot n_local, weight 0; L06), cumulative
+    group list (L07), grouped W8A8 GEMMs, tail rows zeroed (L05), weighted combine (L08)."""
+    t, k = ids.shape
+    local, probs = moe.local_routes(ids, weights, local_of, n_local)
+    expanded, row_idx, cumsum, _ = device.npu_moe_init_routing_v2(
+        x.to(DTYPE), local, active_num=t * k, expert_num=n_local + 1, expert_tokens_num_type=0,
+        expert_tokens_num_flag=True)
+    group_list = cumsum[:n_local]                                  # the dummy slot is not computed
+    act = moe.clipped_swiglu(_grouped(expanded, w1, group_list), _grouped(expanded, w3, group_list), limit)
+    down = _grouped(act.to(DTYPE), w2, group_list)                # [T*k, d]
+    down = torch.where(moe.valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))   # L05
+    if x.shape[-1] % UNPERMUTE_HIDDEN_MULTIPLE == 0:
+        return device.npu_moe_token_unpermute(down, row_idx, probs.to(DTYPE)).float()
+    rows = down.float().index_select(0, row_idx).reshape(t, k, -1)          # L08 fallback: plain combine
+    return (rows * probs.float().unsqueeze(-1)).sum(1)
+
+
+def _as_w8a8(w: W8A8 | PackedFP4) -> W8A8:
+    """Resident/preconverted experts are W8A8 already; streaming ones are requantised now (L18)."""
+    return packed_fp4_to_w8a8(w) if isinstance(w, PackedFP4) else w
+
+
+def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limit: float):
+    """Sum over the EP ranks this process runs (one normally; all when EP is simulated)."""
+    w1, w3, w2 = (_as_w8a8(w) for w in (w1, w3, w2))
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for rank in placement.ranks:
+        local_of = placement.local_of[rank]
+        ws = [_expert_slice(w, placement, rank) for w in (w1, w3, w2)]
+        out = out + _rank_moe(x, weights, ids, *ws, local_of, placement.n_local, limit)
+    return out.to(DTYPE)

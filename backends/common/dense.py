@@ -1,0 +1,57 @@
+"""Token-parallel composites in a device compute dtype: embedding, norms, dense linears, heads.
+
+Norms and reductions run in fp32 and cast back once (fp16 overflows above 65504, L02); matmuls
+keep the activation dtype, as the device's Cube units do, except where a caller asks for fp32
+output (the logits).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[T] ids -> [T, d]; int32 gather indices (int64 gathers fall back to the AI-CPU, L13)."""
+    return table.index_select(0, tokens.to(torch.int32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / RMS(x) computed in fp32, returned in the weight's (compute) dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(weight.dtype)
+
+
+def head_rms_norm(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """[T, H*D] -> [T, H, D], unweighted RMS per head in fp32, back in x's dtype."""
+    xf = x.float().unflatten(-1, (heads, -1))
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Unquantised y = x W^T in the weight's dtype (LM head, embeddings and projections kept dense, B06)."""
+    return x.to(weight.dtype) @ weight.t()
+
+
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x W^T accumulated and returned in fp32 (logits: fp16 cannot resolve top-1 margins)."""
+    return x.float() @ weight.float().t()
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.unflatten(-1, (heads, -1))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped wo_a with a dense weight [G*R, H/G*D]: x [T, H, D] -> [T, G*R]."""
+    t = x.shape[0]
+    xg = x.to(weight.dtype).reshape(t, groups, -1)
+    wg = weight.reshape(groups, -1, xg.shape[-1])
+    return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1)
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows.to(torch.int32))
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b.to(a.dtype)

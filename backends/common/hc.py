@@ -1,0 +1,45 @@
+"""Hyper-connections as composites in fp32 (L10: no fused mHC op on 310P; the vllm-ascend fused
+hc_pre accepts only D in {4096, 7168}).
+
+The residual-stream state X stays fp32 on every device backend (fp16 streams overflow, L02);
+the collapsed sub-layer input `u` is returned in the backend's compute dtype (`dtype`).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
+    return e.float().unsqueeze(1).expand(-1, streams, -1).contiguous()
+
+
+def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    flat = x.float().flatten(1)
+    return (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ fn.float().t()
+
+
+def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype):
+    """X [T, n, d] (fp32) -> (u [T, d] in `dtype`, post [T, n], comb [T, n, n]) (fp32)."""
+    n = x.shape[1]
+    m = _mix(x, fn, norm_eps)
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
+    comb = torch.softmax((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    u = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
+    return u.to(dtype), post, comb
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X_k <- post_k * y + sum_j comb[j, k] X_j, in fp32 (comb's FIRST index contracts)."""
+    return post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, x.float())
+
+
+def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float, *, dtype: torch.dtype) -> torch.Tensor:
+    m = _mix(x, fn, norm_eps)
+    pre = torch.sigmoid(scale.float() * m + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(dtype)

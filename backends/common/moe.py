@@ -1,0 +1,54 @@
+"""MoE composites shared by the device backends: routers, clipped SwiGLU, expert dispatch helpers.
+
+Routers score in fp32 and return int32 expert ids (L13); "gathers" over the expert axis are
+one-hot contractions (fixed shape, no int64 index tensors). Dispatch sorts (token, expert) pairs
+by float keys and builds cumulative group lists (L07) without host syncs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _scores(x, gate) -> torch.Tensor:
+    return torch.sqrt(F.softplus(x.float() @ gate.float().t()))                 # [T, E] fp32
+
+
+def _pick(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """values[t, ids[t, j]] for [T, E] values and [T, k] int32 ids, as a one-hot contraction."""
+    onehot = ids[:, :, None] == torch.arange(values.shape[-1], dtype=torch.int32)[None, None, :]
+    return (onehot * values[:, None, :]).sum(-1)
+
+
+def _weights(scores, ids, route_scale):
+    picked = _pick(scores, ids)
+    return route_scale * picked / picked.sum(-1, keepdim=True)
+
+
+def route_hash(x, gate, tid2eid, tokens, route_scale: float):
+    """Hash layers: experts = tid2eid[token] (B07); weights from the gate's scores of those experts."""
+    ids = tid2eid.index_select(0, tokens.to(torch.int32)).to(torch.int32)
+    return _weights(_scores(x, gate), ids, route_scale), ids
+
+
+def route_learned(x, gate, bias, topk: int, route_scale: float):
+    scores = _scores(x, gate)
+    ids = torch.topk(scores + bias.float(), topk, dim=-1).indices.to(torch.int32)
+    return _weights(scores, ids, route_scale), ids
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, L)) * clamp(up, -L, L) in fp32 (B08: the clamp keeps fp16 finite)."""
+    return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+
+
+def local_routes(ids: torch.Tensor, weights: torch.Tensor, local_of: torch.Tensor, n_local: int):
+    """Global expert ids -> this rank's local ids; routes to other ranks go to the dummy slot
+    `n_local` with weight 0 (L06)."""
+    local = local_of.index_select(0, ids.flatten()).view_as(ids)                 # [T, k] int32
+    return local, torch.where(local < n_local, weights, torch.zeros_like(weights))
+
+
+def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1] bool: rows a grouped matmul actually wrote (before the list's last cumulative end)."""
+    return (torch.arange(rows, dtype=torch.int64) < group_list[-1])[:, None]
