@@ -66,6 +66,11 @@ def _model_path(args) -> Path:
     return embedded_tiny()
 
 
+def _load_options(args):
+    from lib.params import LoadOptions
+    return LoadOptions(expert_mode=args.expert_mode)
+
+
 def _cmd_run(args) -> int:
     from lib.chat import encode_messages
     from lib.generate import greedy
@@ -74,7 +79,7 @@ def _cmd_run(args) -> int:
 
     path = _model_path(args)
     tok = Tokenizer.from_dir(path)
-    model = load_model(path, backend=args.backend, progress=True)
+    model = load_model(path, backend=args.backend, progress=True, options=_load_options(args))
     text = args.prompt if args.raw else encode_messages([{"role": "user", "content": args.prompt}])
     ids = tok.encode(text)
     stream = DetokenizeStream(tok, skip_special_tokens=True)
@@ -95,7 +100,7 @@ def _cmd_logits(args) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--ids must be comma-separated integers, got '{args.ids}'") from None
-    model = load_model(_model_path(args), backend=args.backend, progress=True)
+    model = load_model(_model_path(args), backend=args.backend, progress=True, options=_load_options(args))
     logits = all_logits(model, ids).numpy()
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp.npy")
@@ -103,6 +108,26 @@ def _cmd_logits(args) -> int:
     tmp.replace(out)
     print(f"wrote logits {list(logits.shape)} float32 to {out}")
     return 0
+
+
+def _cmd_conformance(args) -> int:
+    from lib import conformance
+    from lib.inject import CATALOGUE
+
+    if args.list_injections:
+        for bug, inj in CATALOGUE.items():
+            print(f"{bug}  {inj.what}  [{', '.join(inj.backends)}]")
+        return 0
+    report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
+                             expert_mode=args.expert_mode, ep_sim=args.ep_sim)
+    print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
+    print(report.table())
+    if args.inject is None:
+        print("PASS" if report.passed else "FAIL")
+        return 0 if report.passed else 1
+    failed = [c.name for c in report.checks if not c.passed]
+    print(f"{args.inject} detected by: {', '.join(failed)}" if failed else f"{args.inject} went UNNOTICED")
+    return 0 if failed else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,11 +154,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
     s.set_defaults(func=_cmd_build)
 
+    s = sub.add_parser("conformance", help="check a device backend against the cpu reference on CPU")
+    s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    s.add_argument("--inject", help="re-introduce a catalogued field bug (see --list-injections)")
+    s.add_argument("--list-injections", action="store_true")
+    s.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps")
+    s.add_argument("--ep-sim", type=int, default=2, help="expert-parallel ranks simulated in one process")
+    s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
+    s.set_defaults(func=_cmd_conformance)
+
     for name, helptext, func in (("run", "greedy generation from a prompt", _cmd_run),
                                  ("logits", "fp32 logits of every position, saved as .npy", _cmd_logits)):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
         s.add_argument("--backend", default="cpu", choices=backend_names())
+        s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"],
+                       help="how routed experts are held (ascend310p)")
         if name == "run":
             s.add_argument("--prompt", required=True)
             s.add_argument("--max-tokens", type=int, default=32)

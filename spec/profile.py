@@ -62,6 +62,11 @@ class DeviceOp(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lessons: tuple[LessonId, ...] = ()
 
 
+class Budget(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    budget: float
+    why: str
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -75,6 +80,9 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     expert_modes: dict[str, str] = {}       # routed-expert mode -> runtime format of class routed_expert
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
+    # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
+    # teacher-forced sub-layer output), "logits" (absolute logit error a top-1 comparison tolerates)
+    conformance: dict[Literal["attention", "ffn", "logits"], Budget] = {}
 
     def lowering(self, op: str, fmt: str | None = None) -> Lowering:
         """The lowering of `op`; `fmt` is the runtime format of its dispatch port, if it has one."""

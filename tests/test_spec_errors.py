@@ -11,7 +11,7 @@ from codegen.lower import lower
 from spec import variants
 from spec.config import CONFIG_KEYS
 from spec.graph import load_graph
-from spec.profile import load_profile
+from spec.profile import load_runtime_formats, load_profile
 from spec.tables import load_quant, load_tensor_table
 from spec.yamlio import SpecError
 
@@ -393,15 +393,17 @@ def test_profile_unknown_tensor_class(tmp_path):
 
 
 def test_profile_unknown_runtime_format(tmp_path):
-    p = profile(tmp_path, "    hash_table: index_i64", "    hash_table: index_i32")
+    p = profile(tmp_path, "    hash_table: index_i64", "    hash_table: index_u16")
+    accepted = ", ".join(load_runtime_formats().formats)
     assert error_of(load_profile, "cpu", p) == (
-        f"{p}:{line(p, 'index_i32')}: unknown runtime format 'index_i32' (accepted: dense_f32, index_i64)")
+        f"{p}:{line(p, 'index_u16')}: unknown runtime format 'index_u16' (accepted: {accepted})")
 
 
 def test_profile_unknown_default_runtime_format(tmp_path):
-    p = profile(tmp_path, "  default: dense_f32", "  default: dense_f16")
+    p = profile(tmp_path, "  default: dense_f32", "  default: dense_f8")
+    accepted = ", ".join(load_runtime_formats().formats)
     assert error_of(load_profile, "cpu", p) == (
-        f"{p}:{line(p, 'dense_f16')}: unknown runtime format 'dense_f16' (accepted: dense_f32, index_i64)")
+        f"{p}:{line(p, 'dense_f8')}: unknown runtime format 'dense_f8' (accepted: {accepted})")
 
 
 def test_profile_bad_impl(tmp_path):

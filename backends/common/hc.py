@@ -36,7 +36,7 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dt
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_k <- post_k * y + sum_j comb[j, k] X_j, in fp32 (comb's FIRST index contracts)."""
-    return post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, x.float())
+    return post.float().unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.float(), x.float())
 
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float, *, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced
+into a backend's code path at run time, so conformance can prove it catches each one.
+
+Each entry patches one function the way the field port got it wrong, for the duration of a
+`with injection(id, backend):` block. Conformance loads and runs the device backend inside the
+block and the cpu reference outside it, so only the backend under test is broken.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class Injection(NamedTuple):
+    bug: str                         # lesson id
+    what: str
+    backends: tuple[str, ...]        # backends whose code path has the bug site
+    target: str                      # "module:attribute" replaced while active ({backend} expands)
+    make: Callable                   # original value -> broken value
+
+
+ALL = ("ascend310p", "ascend910", "hip936")
+GMM = ("ascend310p", "ascend910")
+
+
+def _planar_unpack(original):
+    def unpack(packed):                      # B01: all low nibbles, then all high nibbles
+        codes = original(packed)
+        return torch.cat((codes[..., 0::2], codes[..., 1::2]), dim=-1)
+    return unpack
+
+
+def _unsigned_e2m1(original):
+    return lambda codes: original(codes & 7)  # B02: sign bit ignored
+
+
+def _inverted_requant(original):
+    def quantize_rows(w, qmax=127):          # B03: multiply by the scale instead of dividing
+        amax = w.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        q = torch.round(w * scale.unsqueeze(-1)).clamp(-qmax, qmax).to(torch.int8)
+        return original.__globals__["W8A8"](q, scale.float())
+    return quantize_rows
+
+
+def _value_converted_e8m0(original):
+    def decode(bits):                        # B04: the byte value itself converted to E8M0 (rounds to 2^7)
+        b = bits.view(torch.uint8).float().clamp_min(1)
+        return torch.exp2(torch.round(torch.log2(b)))
+    return decode
+
+
+def _uninitialised_head(original):
+    """B06: the loader treats the BF16 head as FP8 and multiplies it by a scale that was never
+    loaded (whatever memory held): route class `head` to a converter that does exactly that."""
+    formats = dict(original)
+    formats["head"] = "__b06_fp8_head__"
+    return formats
+
+
+def b06_fp8_head(storage, parts, cfg):
+    from lib import formats
+    value = formats.decode(storage, parts, cfg).float()
+    gen = torch.Generator().manual_seed(6)
+    garbage = torch.exp2(torch.randint(-20, 20, (value.shape[0], 1), generator=gen).float())
+    return value * garbage
+
+
+def _gate_topk_routing(original):
+    def route_hash(x, gate, tid2eid, tokens, route_scale):   # B07: hash layers routed by gate top-k
+        from backends.common import moe
+        scores = moe._scores(x, gate)
+        ids = torch.topk(scores, tid2eid.shape[1], dim=-1).indices.to(torch.int32)
+        return moe._weights(scores, ids, route_scale), ids
+    return route_hash
+
+
+def _unclipped_swiglu(original):
+    return lambda gate, up, limit: torch.nn.functional.silu(gate.float()) * up.float()   # B08
+
+
+def _shared_over_scale(original):
+    return lambda a, b: a + b.to(a.dtype) / 1.5      # B09: routed + shared / 1.5
+
+
+def _keep_tail_rows(original):
+    return lambda group_list, rows: torch.ones(rows, 1, dtype=torch.bool)   # B10: tail rows not zeroed
+
+
+def _rank0_map(original):
+    def placement(n_experts, ep_size=1, rank=0, simulate=False):            # B11: rank 0's map everywhere
+        p = original(n_experts, ep_size, rank, simulate)
+        return p._replace(local_of=p.local_of[:1].expand_as(p.local_of).contiguous())
+    return placement
+
+
+CATALOGUE: dict[str, Injection] = {
+    "B01": Injection("B01", "MXFP4 unpacked as all low nibbles then all high nibbles", ALL,
+                     "lib.codecs:unpack_e2m1", _planar_unpack),
+    "B02": Injection("B02", "FP4 sign bit ignored", ALL, "lib.codecs:_e2m1_value", _unsigned_e2m1),
+    "B03": Injection("B03", "requantisation scale inverted", ALL, "lib.wformats:quantize_rows", _inverted_requant),
+    "B04": Injection("B04", "E8M0 scale bytes value-converted on copy", ALL, "lib.codecs:e8m0_decode",
+                     _value_converted_e8m0),
+    "B06": Injection("B06", "LM head treated as FP8 with an uninitialised scale", ALL,
+                     "backends.{backend}._generated.loader:RUNTIME_FORMATS", _uninitialised_head),
+    "B07": Injection("B07", "hash routing dropped: gate top-k in the hash layers", ALL,
+                     "backends.common.moe:route_hash", _gate_topk_routing),
+    "B08": Injection("B08", "swiglu_limit not applied", ALL, "backends.common.moe:clipped_swiglu",
+                     _unclipped_swiglu),
+    "B09": Injection("B09", "shared expert combined as routed + shared / 1.5", ALL, "backends.common.dense:add",
+                     _shared_over_scale),
+    "B10": Injection("B10", "grouped-matmul tail rows not zeroed", GMM, "backends.common.moe:valid_rows",
+                     _keep_tail_rows),
+    "B11": Injection("B11", "every EP rank uses rank 0's expert map", ALL, "lib.placement:expert_placement",
+                     _rank0_map),
+}
+
+
+@contextlib.contextmanager
+def injection(bug: str | None, backend: str):
+    """Patch the bug into place for `backend` (no-op for None); restores on exit."""
+    if bug is None:
+        yield None
+        return
+    if bug not in CATALOGUE:
+        raise ValueError(f"unknown injection '{bug}' (accepted: {', '.join(CATALOGUE)})")
+    inj = CATALOGUE[bug]
+    if backend not in inj.backends:
+        raise ValueError(f"{bug} has no bug site on backend {backend} (it applies to {', '.join(inj.backends)})")
+    module_name, _, attr = inj.target.format(backend=backend).partition(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    setattr(module, attr, inj.make(original))
+    converters = getattr(module, "CONVERTERS", None)
+    if bug == "B06":        # the broken runtime format needs its converter registered too
+        converters["__b06_fp8_head__"] = "lib.inject:b06_fp8_head"
+    try:
+        yield inj
+    finally:
+        setattr(module, attr, original)
+        if bug == "B06":
+            converters.pop("__b06_fp8_head__", None)
