@@ -22,9 +22,9 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml")
 
 
-def spec_hash(backend: str) -> str:
+def spec_hash(backend: str, spec_dir: Path = SPEC_DIR) -> str:
     h = hashlib.sha256()
-    for path in (*SPEC_FILES, profile_path(backend)):
+    for path in (*(Path(spec_dir) / f.name for f in SPEC_FILES), profile_path(backend)):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return "sha256:" + h.hexdigest()[:16]
 
@@ -35,12 +35,14 @@ def _env() -> jinja2.Environment:
                               autoescape=False)
 
 
-def render(backend: str) -> dict[str, str]:
-    """File name -> content of the backend's generated folder."""
+def render(backend: str, spec_dir: Path = SPEC_DIR) -> dict[str, str]:
+    """File name -> content of the backend's generated folder (from another spec folder for
+    `dsv4gen diff --spec`)."""
+    spec_dir = Path(spec_dir)
     profile = load_profile(backend)
-    table = load_tensor_table()
-    lowered = lower(load_graph(), profile, table)
-    runtime = load_runtime_formats().formats
+    table = load_tensor_table(spec_dir / "tensors.yaml", spec_dir / "quant.yaml")
+    lowered = lower(load_graph(spec_dir / "graph.yaml"), profile, table)
+    runtime = load_runtime_formats(spec_dir / "runtime.yaml").formats
     formats = {cls: profile.runtime_format(cls) for cls in table.classes}
     used = sorted(set(formats.values()) | set(profile.expert_modes.values()))
     by_impl: dict[str, int] = {}
@@ -48,7 +50,7 @@ def render(backend: str) -> dict[str, str]:
         by_impl[op.impl] = by_impl.get(op.impl, 0) + 1
     ctx = {
         "backend": backend,
-        "spec_hash": spec_hash(backend),
+        "spec_hash": spec_hash(backend, spec_dir),
         "profile_doc": profile.doc,
         "compute_dtype": profile.compute_dtype,
         "imports": lowered.imports,

@@ -118,6 +118,8 @@ def _cmd_conformance(args) -> int:
         for bug, inj in CATALOGUE.items():
             print(f"{bug}  {inj.what}  [{', '.join(inj.backends)}]")
         return 0
+    if args.backend is None:
+        raise ValueError("--backend is required (accepted: ascend310p, ascend910, hip936)")
     report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
                              expert_mode=args.expert_mode, ep_sim=args.ep_sim)
     print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
@@ -128,6 +130,20 @@ def _cmd_conformance(args) -> int:
     failed = [c.name for c in report.checks if not c.passed]
     print(f"{args.inject} detected by: {', '.join(failed)}" if failed else f"{args.inject} went UNNOTICED")
     return 0 if failed else 1
+
+
+def _cmd_diff(args) -> int:
+    from lib.diff import backend_diff, spec_diff
+
+    if args.spec:
+        if not args.backend:
+            raise ValueError("diff --spec OLD --against NEW needs --backend")
+        sys.stdout.write(spec_diff(Path(args.spec), Path(args.against), args.backend))
+    else:
+        if not (args.backend and args.against):
+            raise ValueError("diff needs --backend A --against B (or --spec OLD --against NEW --backend X)")
+        sys.stdout.write(backend_diff(args.backend, args.against))
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,8 +170,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
     s.set_defaults(func=_cmd_build)
 
+    s = sub.add_parser("diff", help="review two backends' lowerings, or what a spec edit changes in one")
+    s.add_argument("--backend", choices=backend_names())
+    s.add_argument("--against", help="the other backend, or the NEW spec folder with --spec")
+    s.add_argument("--spec", help="the OLD spec folder (compare generated code of --backend)")
+    s.set_defaults(func=_cmd_diff)
+
     s = sub.add_parser("conformance", help="check a device backend against the cpu reference on CPU")
-    s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--backend", choices=[b for b in backend_names() if b != "cpu"])
     s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
     s.add_argument("--inject", help="re-introduce a catalogued field bug (see --list-injections)")
     s.add_argument("--list-injections", action="store_true")

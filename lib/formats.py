@@ -6,7 +6,6 @@ parts in their generated loaders; this is the meaning those conversions are test
 """
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -32,9 +31,11 @@ def decode_mxfp4(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tens
     return codecs.dequant_fp4_expert(parts["weight"], parts["scale"], group=32)
 
 
-@functools.lru_cache(maxsize=None)
 def resolve(ref: str):
-    """'package.module:function' -> the function (spec files name implementations this way)."""
+    """'package.module:function' -> the function (spec files name implementations this way).
+
+    Not cached: the attribute is looked up on every call, so a patched function (fault injection,
+    tests) is seen exactly like a call through the module would see it."""
     module, _, name = ref.partition(":")
     try:
         return getattr(importlib.import_module(module), name)

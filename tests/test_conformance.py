@@ -51,7 +51,8 @@ def test_cli_reports_detection(tiny_ckpt, capsys):
     out = capsys.readouterr().out
     assert "B07 detected by: ffn hash" in out
     assert main(["conformance", "--list-injections"]) == 0
-    assert all(bug in capsys.readouterr().out for bug in CATALOGUE)
+    listing = capsys.readouterr().out
+    assert all(bug in listing for bug in CATALOGUE)
 
 
 def test_unknown_or_inapplicable_injection_is_refused(tiny_ckpt, capsys):
