@@ -146,6 +146,22 @@ def _cmd_diff(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from lib.launches import decode_launches, format_report
+
+    if not args.ops:
+        raise ValueError("only `dsv4gen plan --ops` (launches per decode step) exists so far; the memory and "
+                         "speed planner is not built yet")
+    for backend in (backend_names_all() if args.backend == "all" else [args.backend]):
+        print(format_report(decode_launches(backend, Path(args.model) if args.model else None)))
+    return 0
+
+
+def backend_names_all() -> list[str]:
+    from spec.profile import backend_names
+    return backend_names()
+
+
 def _parser() -> argparse.ArgumentParser:
     from spec.profile import backend_names
 
@@ -169,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="all", choices=["all", *backend_names()])
     s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
     s.set_defaults(func=_cmd_build)
+
+    s = sub.add_parser("plan", help="launches and host syncs per decode step (--ops) on the real layer schedule")
+    s.add_argument("--backend", default="all", choices=["all", *backend_names()])
+    s.add_argument("--ops", action="store_true", help="count kernel launches and host syncs of one decode step")
+    s.add_argument("--model", help="checkpoint to count on (default: Flash-0731's schedule with shrunken widths)")
+    s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("diff", help="review two backends' lowerings, or what a spec edit changes in one")
     s.add_argument("--backend", choices=backend_names())

@@ -24,7 +24,7 @@ from spec.variants import variant_config
 TINY_VARIANT = "tiny"
 TINY_SEED = 0
 # Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
-MAKER_VERSION = 3
+MAKER_VERSION = 4
 
 
 def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
@@ -46,8 +46,8 @@ def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
     if cls == "head":
         # Heavy-tailed row norms (log-normal) make a few tokens stand out, so next-token margins
         # are large relative to quantisation error and teacher-forced top-1 checks are decisive.
-        norms = torch.exp(torch.randn(shape[0], 1, generator=gen))
-        return normal(2.0 / fan_in ** 0.5) * norms
+        norms = torch.exp(0.75 * torch.randn(shape[0], 1, generator=gen))
+        return normal(0.5 / fan_in ** 0.5) * norms
     if cls == "hc":
         if key.endswith("_scale"):
             return normal(0.1, 1.0)
@@ -60,6 +60,10 @@ def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
         return normal(0.5)          # a selection bias spread wide enough that top-k ties are rare
     if cls == "compressor" and key.endswith(".ape"):
         return normal(0.5)
+    if cls == "routed_expert" and key.endswith(".w2.weight"):
+        # routed experts add to, rather than dominate, the residual stream (as in trained models),
+        # so one layer's quantisation noise perturbs the logits instead of replacing them
+        return normal(0.5 / fan_in ** 0.5)
     return normal(1.0 / fan_in ** 0.5)
 
 

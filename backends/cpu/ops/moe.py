@@ -49,12 +49,26 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     return _expert(x.double(), w1, w3, w2, limit).float()
 
 
+# Up to this many (token, expert) pairs, gather each pair's expert weights and contract them
+# directly (decode: fixed shapes, no host sync); above it, loop over the experts actually hit
+# (prefill: far less work than gathering one weight copy per pair).
+GATHER_MAX_PAIRS = 64
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w3: torch.Tensor, w2: torch.Tensor, placement, limit: float) -> torch.Tensor:
     """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
 
     `placement` (EP) decides where experts run, not what they compute: unused here."""
     x = x.double()
+    t, k = ids.shape
+    if t * k <= GATHER_MAX_PAIRS:
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)                                         # [T*k, d]
+        g1, g3, g2 = (w.index_select(0, flat).double() for w in (w1, w3, w2))   # [T*k, ...]
+        act = clipped_swiglu(torch.einsum("pd,pid->pi", xs, g1), torch.einsum("pd,pid->pi", xs, g3), limit)
+        y = torch.einsum("pi,pdi->pd", act, g2) * weights.reshape(-1, 1).double()
+        return y.reshape(t, k, -1).sum(1).float()
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)

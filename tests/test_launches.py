@@ -1,0 +1,40 @@
+"""`dsv4gen plan --ops`: launches and host syncs of one decode step on the real Flash schedule.
+
+Launch counts bound a real NPU; decode must never wait on the host. Runs every backend on the
+shrunken-width Flash-0731 checkpoint (43 layers, 256 experts, top-6) through the real loader.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lib.cli import main
+from lib.launches import decode_launches, shrunk_flash
+from spec.profile import backend_names
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DSV4GEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+    path = shrunk_flash()
+    mp.undo()
+    return path
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_decode_step_has_no_host_sync(flash, backend):
+    report = decode_launches(backend, flash)
+    kinds = {row.kind: row for row in report.rows}
+    assert {k: r.layers for k, r in kinds.items()} == {"swa / hash": 2, "csa / hash": 1, "hca / learned": 20,
+                                                       "csa / learned": 20}
+    assert report.syncs == 0 and all(r.syncs == 0 for r in report.rows)
+    assert report.total == report.outside + sum(r.launches * r.layers for r in report.rows)
+    assert kinds["csa / learned"].launches > kinds["hca / learned"].launches     # the indexer costs launches
+
+
+def test_plan_ops_cli(flash, capsys):
+    assert main(["plan", "--backend", "ascend310p", "--ops", "--model", str(flash)]) == 0
+    out = capsys.readouterr().out
+    assert "csa / learned" in out and "host syncs 0" in out
+    assert main(["plan", "--backend", "ascend310p"]) == 2
+    assert "only `dsv4gen plan --ops`" in capsys.readouterr().err
