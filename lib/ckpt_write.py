@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -35,19 +36,31 @@ def split_shards(tensors: dict[str, torch.Tensor], n: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-def write_checkpoint(out: Path | str, tensors: dict[str, torch.Tensor], side_files: dict[str, str | bytes],
-                     shards: int = 4, overwrite: bool = False) -> Path:
-    """Write `tensors` as `shards` safetensors files + index, plus side files (config.json, ...)."""
+def publish_dir(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Run `write(tmp)` into a temporary sibling folder, then move it into place as `out`;
+    on any failure nothing is left behind and an existing `out` is untouched."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        write(tmp)
+        _publish_modes(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_checkpoint(out: Path | str, tensors: dict[str, torch.Tensor], side_files: dict[str, str | bytes],
+                     shards: int = 4, overwrite: bool = False) -> Path:
+    """Write `tensors` as `shards` safetensors files + index, plus side files (config.json, ...)."""
+    def write(tmp: Path) -> None:
         groups = split_shards(tensors, shards)
-        names = shard_names(len(groups))
         weight_map = {}
-        for name, keys in zip(names, groups):
+        for name, keys in zip(shard_names(len(groups)), groups):
             save_file({k: tensors[k].contiguous() for k in keys}, str(tmp / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in keys})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -57,12 +70,8 @@ def write_checkpoint(out: Path | str, tensors: dict[str, torch.Tensor], side_fil
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
                 f.write(content)
-        _publish_modes(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return publish_dir(Path(out), write, overwrite)
 
 
 def _publish_modes(folder: Path) -> None:

@@ -68,7 +68,16 @@ def _model_path(args) -> Path:
 
 def _load_options(args):
     from lib.params import LoadOptions
-    return LoadOptions(expert_mode=args.expert_mode)
+    return LoadOptions(expert_mode=args.expert_mode, preconverted=args.preconverted)
+
+
+def _cmd_convert(args) -> int:
+    from lib.preconvert import convert
+
+    out = convert(_model_path(args), args.backend, args.out, tp=args.tp, ep=args.ep, overwrite=args.force,
+                  progress=True)
+    print(f"wrote {args.backend} routed experts for TP={args.tp} EP={args.ep} to {out}")
+    return 0
 
 
 def _cmd_run(args) -> int:
@@ -186,6 +195,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
     s.set_defaults(func=_cmd_build)
 
+    s = sub.add_parser("convert", help="convert routed experts once for a backend's preconverted expert mode")
+    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--ep", type=int, default=1)
+    s.add_argument("--out", help="output folder (default: <model>/converted-<backend>-tp<T>-ep<E>)")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder")
+    s.set_defaults(func=_cmd_convert)
+
     s = sub.add_parser("plan", help="launches and host syncs per decode step (--ops) on the real layer schedule")
     s.add_argument("--backend", default="all", choices=["all", *backend_names()])
     s.add_argument("--ops", action="store_true", help="count kernel launches and host syncs of one decode step")
@@ -215,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--backend", default="cpu", choices=backend_names())
         s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"],
                        help="how routed experts are held (ascend310p)")
+        s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
         if name == "run":
             s.add_argument("--prompt", required=True)
             s.add_argument("--max-tokens", type=int, default=32)

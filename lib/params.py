@@ -30,6 +30,8 @@ class LoadOptions(NamedTuple):
     ep_size: int = 1                   # expert-parallel group size
     ep_rank: int = 0                   # this process's EP rank
     ep_simulate: bool = False          # run every EP rank's share in this process (conformance)
+    preconverted: str | None = None    # folder written by `dsv4gen convert` (expert mode preconverted)
+    backend: str | None = None         # set by the runtime: whose preconverted experts to read
 
 
 def stack(values: list):
@@ -53,9 +55,15 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     model: dict[str, torch.Tensor] = {}
     blocks: dict[str, dict[str, object]] = {}
     expert_parts: dict[tuple[str, str], list[torch.Tensor]] = {}
+    store = _preconverted(ckpt, options)
+    n_local = ckpt.config.n_routed_experts // options.ep_size
     items = tqdm(ckpt.logical, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for t in items:
-        value = resolve(converter_for(t))(t.format, ckpt.read_parts(t, ledger), ckpt.config)
+        if store is not None and t.entry.tensor_class == "routed_expert":
+            ledger.mark(t)                  # read once, from the converted shards instead
+            value = store.read(t.key, t.expert, n_local)
+        else:
+            value = resolve(converter_for(t))(t.format, ckpt.read_parts(t, ledger), ckpt.config)
         if t.layer is None:
             model[runtime_key(t)] = value
         elif t.expert is not None:
@@ -83,3 +91,12 @@ def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:
         for layer in schedule(cfg):
             if d.when.matches(layer):
                 blocks.setdefault(layer.prefix, {})[d.key] = build(cfg, layer, options)
+
+
+def _preconverted(ckpt: Checkpoint, options: LoadOptions):
+    if options.expert_mode != "preconverted":
+        return None
+    from lib.preconvert import PreconvertedExperts, default_dir
+
+    root = options.preconverted or default_dir(ckpt.root, options.backend, 1, options.ep_size)
+    return PreconvertedExperts(root, options.backend, ckpt, ep=options.ep_size)

@@ -23,9 +23,6 @@ from spec.profile import load_profile
 from spec.schedule import backbone
 
 
-CONVERTED_MARKER = "dsv4gen-converted.json"     # written by `dsv4gen convert`, validated on load
-
-
 class Model(NamedTuple):
     backend: str
     cfg: ModelConfig
@@ -46,10 +43,7 @@ def backend_module(backend: str, name: str):
 
 def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
                options: LoadOptions = LoadOptions()) -> Model:
-    if options.expert_mode == "preconverted" and not (Path(path) / CONVERTED_MARKER).is_file():
-        raise ValueError(f"{path}: expert mode 'preconverted' reads shards written by `dsv4gen convert --backend "
-                         f"{backend}`, and this checkpoint has no {CONVERTED_MARKER} marker (`dsv4gen convert` "
-                         "is not built yet; use --expert-mode resident or streaming)")
+    options = options._replace(backend=backend)
     ckpt = Checkpoint(path)
     params = backend_module(backend, "loader").load(ckpt, progress=progress, options=options)
     forward = backend_module(backend, "model").forward

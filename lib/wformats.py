@@ -89,3 +89,7 @@ def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig) -> W4A8:
     w = formats.decode(storage, parts, cfg).float()
     q = quantize_rows(w, qmax=7)
     return W4A8(pack_int4(q.qweight.transpose(-1, -2).contiguous()), q.scale)
+
+
+# runtime formats held as records (what `dsv4gen convert` stores field by field)
+FORMAT_RECORDS = {"w8a8_row": W8A8, "mxfp4_packed": PackedFP4, "w4a8_channel": W4A8}
