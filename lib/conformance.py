@@ -145,17 +145,33 @@ def _sublayer_checks(results, budgets: dict) -> list[Check]:
     return checks
 
 
+class ReferenceRun(NamedTuple):
+    """What the cpu reference did: the data every device check compares against."""
+    prompt: list[int]
+    tokens: list[int]                  # greedy tokens; token s follows logits s
+    logits: list[torch.Tensor]         # last-row logits after the prompt and after each token
+    sublayer_calls: list               # recorded attention / MoE sub-layer calls
+    op_calls: list                     # recorded weight-free op calls
+
+
+def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> ReferenceRun:
+    ref = load_model(model_path, "cpu")
+    prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
+    with _recording(_generated(ref)) as calls, recording_reference_ops(weight_free_ops()) as op_calls:
+        logits = _reference_greedy(ref, prompt, steps)
+    return ReferenceRun(prompt, [int(torch.argmax(x[-1])) for x in logits], logits, calls, op_calls)
+
+
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
-        inject: str | None = None, expert_mode: str | None = None) -> Report:
+        inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None) -> Report:
+    """All conformance checks of `backend`; `reference` may be reused across runs of one model."""
     from lib.inject import injection
 
     profile = load_profile(backend)
     budgets = profile.conformance
-    ref = load_model(model_path, "cpu")
-    prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
-    with _recording(_generated(ref)) as ref_calls, recording_reference_ops(weight_free_ops()) as op_calls:
-        ref_logits = _reference_greedy(ref, prompt, steps)
-    tokens = [int(torch.argmax(logits[-1])) for logits in ref_logits]     # token s follows logits s
+    reference = reference or reference_run(model_path, steps, prompt_len)
+    prompt, tokens, ref_logits = reference.prompt, reference.tokens, reference.logits
+    ref_calls, op_calls = reference.sublayer_calls, reference.op_calls
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
     checks: list[Check] = []
     with injection(inject, backend):

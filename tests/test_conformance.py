@@ -21,9 +21,21 @@ DEVICES = ("ascend310p", "ascend910", "hip936")
 INJECTION_STEPS = 8     # positions 24..31 still cross ratio-4 and ratio-8 window completions
 
 
+@pytest.fixture(scope="module")
+def references(tiny_ckpt):
+    """The cpu reference's runs, made once per step count and shared by every backend check."""
+    cache: dict[int, conformance.ReferenceRun] = {}
+
+    def get(steps: int) -> conformance.ReferenceRun:
+        if steps not in cache:
+            cache[steps] = conformance.reference_run(tiny_ckpt, steps)
+        return cache[steps]
+    return get
+
+
 @pytest.mark.parametrize("backend", DEVICES)
-def test_clean_conformance_passes(tiny_ckpt, backend):
-    report = conformance.run(backend, tiny_ckpt, steps=32)
+def test_clean_conformance_passes(tiny_ckpt, references, backend):
+    report = conformance.run(backend, tiny_ckpt, steps=32, reference=references(32))
     assert report.passed, "\n" + report.table()
     names = [c.name for c in report.checks]
     assert any(n.startswith("attention csa") for n in names) and any(n.startswith("ffn learned") for n in names)
@@ -34,15 +46,16 @@ def test_clean_conformance_passes(tiny_ckpt, backend):
 
 @pytest.mark.parametrize("backend, bug", [(b, bug) for bug, inj in CATALOGUE.items() for b in DEVICES
                                           if b in inj.backends])
-def test_every_injection_is_detected(tiny_ckpt, backend, bug):
-    report = conformance.run(backend, tiny_ckpt, steps=INJECTION_STEPS, inject=bug)
+def test_every_injection_is_detected(tiny_ckpt, references, backend, bug):
+    report = conformance.run(backend, tiny_ckpt, steps=INJECTION_STEPS, inject=bug, reference=references(INJECTION_STEPS))
     assert not report.passed, f"{bug} went unnoticed on {backend}:\n{report.table()}"
 
 
-def test_injections_restore_the_code_path(tiny_ckpt):
+def test_injections_restore_the_code_path(tiny_ckpt, references):
     """After an injected run, the same backend is clean again (nothing leaks out of the context)."""
-    conformance.run("hip936", tiny_ckpt, steps=2, inject="B09")
-    assert conformance.run("hip936", tiny_ckpt, steps=INJECTION_STEPS).passed
+    ref = references(INJECTION_STEPS)
+    assert not conformance.run("hip936", tiny_ckpt, steps=INJECTION_STEPS, inject="B09", reference=ref).passed
+    assert conformance.run("hip936", tiny_ckpt, steps=INJECTION_STEPS, reference=ref).passed
 
 
 def test_cli_reports_detection(tiny_ckpt, capsys):
