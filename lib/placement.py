@@ -46,3 +46,12 @@ def expert_placement(n_experts: int, ep_size: int = 1, rank: int = 0, simulate: 
 def placement_for_block(cfg, layer, options) -> ExpertPlacement:
     """tensors.yaml `derived` builder: the placement of this process's EP rank (from load options)."""
     return expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
+
+
+def rank_experts(record, placement: ExpertPlacement, rank: int):
+    """A rank's experts out of a stacked expert record (W8A8, W4A8, packed FP4: every field [E, ...]).
+    A process holding only its own experts already has them; holding all (simulated EP), slice."""
+    if record[0].shape[0] == placement.n_local:
+        return record
+    sl = placement.experts_of(rank)
+    return type(record)(*(field[sl] for field in record))

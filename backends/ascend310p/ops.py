@@ -10,7 +10,7 @@ import torch
 
 from backends.ascend310p import device
 from backends.common import hc, moe
-from lib.placement import ExpertPlacement
+from lib.placement import ExpertPlacement, rank_experts
 from lib.wformats import W8A8, PackedFP4, packed_fp4_to_w8a8
 
 DTYPE = torch.float16
@@ -62,14 +62,6 @@ def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):
     return linear_w8a8(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2)
 
 
-def _expert_slice(w: W8A8, placement: ExpertPlacement, rank: int) -> W8A8:
-    """This rank's experts: all of them are present only when EP is simulated in one process."""
-    if w.qweight.shape[0] == placement.n_local:
-        return w
-    sl = placement.experts_of(rank)
-    return W8A8(w.qweight[sl], w.scale[sl])
-
-
 def _rank_moe(x, weights, ids, w1: W8A8, w3: W8A8, w2: W8A8, local_of, n_local: int, limit: float):
     """One EP rank's share: local ids (others -> dummy slot n_local, weight 0; L06), cumulative
     group list (L07), grouped W8A8 GEMMs, tail rows zeroed (L05), weighted combine (L08)."""
@@ -99,6 +91,6 @@ def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limi
     out = torch.zeros(x.shape, dtype=torch.float32)
     for rank in placement.ranks:
         local_of = placement.local_of[rank]
-        ws = [_expert_slice(w, placement, rank) for w in (w1, w3, w2)]
+        ws = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         out = out + _rank_moe(x, weights, ids, *ws, local_of, placement.n_local, limit)
     return out.to(DTYPE)

@@ -10,7 +10,7 @@ import torch
 
 from backends.ascend910 import device
 from backends.common import hc, moe
-from lib.placement import ExpertPlacement
+from lib.placement import ExpertPlacement, rank_experts
 from lib.wformats import W4A8, W8A8
 
 DTYPE = torch.bfloat16
@@ -62,13 +62,6 @@ def _gmm_w4a8(x, w: W4A8, group_list):
     return y
 
 
-def _local(w: W4A8, placement: ExpertPlacement, rank: int) -> W4A8:
-    if w.qweight.shape[0] == placement.n_local:
-        return w
-    sl = placement.experts_of(rank)
-    return W4A8(w.qweight[sl], w.scale[sl])
-
-
 def _rank_moe(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, local_of, n_local: int, limit: float):
     """One EP rank: local ids (others to a dummy slot with weight 0), W4A8 grouped GEMMs, tail rows
     zeroed before the combine (uninitialised rows past the group list, L05)."""
@@ -87,6 +80,6 @@ def _rank_moe(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, local_of, n_local: 
 def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: ExpertPlacement, limit: float):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for rank in placement.ranks:
-        ws = [_local(w, placement, rank) for w in (w1, w3, w2)]
+        ws = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         out = out + _rank_moe(x, weights, ids, *ws, placement.local_of[rank], placement.n_local, limit)
     return out.to(DTYPE)

@@ -12,7 +12,7 @@ import torch
 
 from backends.common import hc, moe
 from backends.hip936 import device
-from lib.placement import ExpertPlacement
+from lib.placement import ExpertPlacement, rank_experts
 from lib.wformats import PackedFP4, packed_fp4_to_w8a8
 
 DTYPE = torch.bfloat16
@@ -55,13 +55,6 @@ def _gather(w: PackedFP4, experts: torch.Tensor) -> PackedFP4:
     return PackedFP4(weight, scale)
 
 
-def _local(w: PackedFP4, placement: ExpertPlacement, rank: int) -> PackedFP4:
-    if w.weight.shape[0] == placement.n_local:
-        return w
-    sl = placement.experts_of(rank)
-    return PackedFP4(w.weight[sl], w.scale[sl])
-
-
 def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
     """Clipped SwiGLU of int8 tokens through expert `e` of int8 weights (each [E, N, K])."""
     act = moe.clipped_swiglu(_int_matmul(xq, xs, w1.qweight[e], w1.scale[e]),
@@ -84,7 +77,7 @@ def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4,
     out = torch.zeros(t, x.shape[-1], dtype=torch.float32)
     for rank in placement.ranks:
         local, probs = moe.local_routes(ids, weights, placement.local_of[rank], placement.n_local)
-        mats = [_local(w, placement, rank) for w in (w1, w3, w2)]
+        mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t * k <= PAIRWISE_MAX:
             for j in range(k):
                 g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j])) for w in mats)
