@@ -20,6 +20,7 @@ class Injection(NamedTuple):
     backends: tuple[str, ...]        # backends whose code path has the bug site
     target: str                      # "module:attribute" replaced while active ({backend} expands)
     make: Callable                   # original value -> broken value
+    converters: tuple[tuple[str, str], ...] = ()   # extra (runtime format, converter) the broken value needs
 
 
 ALL = ("ascend310p", "ascend910", "hip936")
@@ -105,7 +106,8 @@ CATALOGUE: dict[str, Injection] = {
     "B04": Injection("B04", "E8M0 scale bytes value-converted on copy", ALL, "lib.codecs:e8m0_decode",
                      _value_converted_e8m0),
     "B06": Injection("B06", "LM head treated as FP8 with an uninitialised scale", ALL,
-                     "backends.{backend}._generated.loader:RUNTIME_FORMATS", _uninitialised_head),
+                     "backends.{backend}._generated.loader:RUNTIME_FORMATS", _uninitialised_head,
+                     (("__b06_fp8_head__", "lib.inject:b06_fp8_head"),)),
     "B07": Injection("B07", "hash routing dropped: gate top-k in the hash layers", ALL,
                      "backends.common.moe:route_hash", _gate_topk_routing),
     "B08": Injection("B08", "swiglu_limit not applied", ALL, "backends.common.moe:clipped_swiglu",
@@ -134,12 +136,11 @@ def injection(bug: str | None, backend: str):
     module = importlib.import_module(module_name)
     original = getattr(module, attr)
     setattr(module, attr, inj.make(original))
-    converters = getattr(module, "CONVERTERS", None)
-    if bug == "B06":        # the broken runtime format needs its converter registered too
-        converters["__b06_fp8_head__"] = "lib.inject:b06_fp8_head"
+    converters = getattr(module, "CONVERTERS", {})
+    converters.update(inj.converters)
     try:
         yield inj
     finally:
         setattr(module, attr, original)
-        if bug == "B06":
-            converters.pop("__b06_fp8_head__", None)
+        for fmt, _ in inj.converters:
+            converters.pop(fmt, None)

@@ -10,7 +10,7 @@ import torch
 
 from backends.ascend310p import device
 from backends.common import hc, moe
-from lib.placement import ExpertPlacement, rank_experts
+from lib.placement import ExpertPlacement
 from lib.wformats import W8A8, PackedFP4, packed_fp4_to_w8a8
 
 DTYPE = torch.float16
@@ -62,35 +62,13 @@ def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):
     return linear_w8a8(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2)
 
 
-def _rank_moe(x, weights, ids, w1: W8A8, w3: W8A8, w2: W8A8, local_of, n_local: int, limit: float):
-    """One EP rank's share: local ids (others -> dummy slot n_local, weight 0; L06), cumulative
-    group list (L07), grouped W8A8 GEMMs, tail rows zeroed (L05), weighted combine (L08)."""
-    t, k = ids.shape
-    local, probs = moe.local_routes(ids, weights, local_of, n_local)
-    expanded, row_idx, cumsum, _ = device.npu_moe_init_routing_v2(
-        x.to(DTYPE), local, active_num=t * k, expert_num=n_local + 1, expert_tokens_num_type=0,
-        expert_tokens_num_flag=True)
-    group_list = cumsum[:n_local]                                  # the dummy slot is not computed
-    act = moe.clipped_swiglu(_grouped(expanded, w1, group_list), _grouped(expanded, w3, group_list), limit)
-    down = _grouped(act.to(DTYPE), w2, group_list)                # [T*k, d]
-    down = torch.where(moe.valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))   # L05
-    if x.shape[-1] % UNPERMUTE_HIDDEN_MULTIPLE == 0:
-        return device.npu_moe_token_unpermute(down, row_idx, probs.to(DTYPE)).float()
-    rows = down.float().index_select(0, row_idx).reshape(t, k, -1)          # L08 fallback: plain combine
-    return (rows * probs.float().unsqueeze(-1)).sum(1)
-
-
 def _as_w8a8(w: W8A8 | PackedFP4) -> W8A8:
     """Resident/preconverted experts are W8A8 already; streaming ones are requantised now (L18)."""
     return packed_fp4_to_w8a8(w) if isinstance(w, PackedFP4) else w
 
 
 def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limit: float):
-    """Sum over the EP ranks this process runs (one normally; all when EP is simulated)."""
     w1, w3, w2 = (_as_w8a8(w) for w in (w1, w3, w2))
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for rank in placement.ranks:
-        local_of = placement.local_of[rank]
-        ws = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
-        out = out + _rank_moe(x, weights, ids, *ws, local_of, placement.n_local, limit)
-    return out.to(DTYPE)
+    return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
+                           gmm=_grouped, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE,
+                           unpermute_multiple=UNPERMUTE_HIDDEN_MULTIPLE)

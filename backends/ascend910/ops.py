@@ -10,7 +10,7 @@ import torch
 
 from backends.ascend910 import device
 from backends.common import hc, moe
-from lib.placement import ExpertPlacement, rank_experts
+from lib.placement import ExpertPlacement
 from lib.wformats import W4A8, W8A8
 
 DTYPE = torch.bfloat16
@@ -62,24 +62,6 @@ def _gmm_w4a8(x, w: W4A8, group_list):
     return y
 
 
-def _rank_moe(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, local_of, n_local: int, limit: float):
-    """One EP rank: local ids (others to a dummy slot with weight 0), W4A8 grouped GEMMs, tail rows
-    zeroed before the combine (uninitialised rows past the group list, L05)."""
-    t, k = ids.shape
-    local, probs = moe.local_routes(ids, weights, local_of, n_local)
-    expanded, row_idx, cumsum, _ = device.npu_moe_init_routing_v2(
-        x.to(DTYPE), local, active_num=t * k, expert_num=n_local + 1, expert_tokens_num_type=0,
-        expert_tokens_num_flag=True)
-    group_list = cumsum[:n_local]
-    act = moe.clipped_swiglu(_gmm_w4a8(expanded, w1, group_list), _gmm_w4a8(expanded, w3, group_list), limit)
-    down = _gmm_w4a8(act.to(DTYPE), w2, group_list)
-    down = torch.where(moe.valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
-    return device.npu_moe_token_unpermute(down, row_idx, probs.to(DTYPE)).float()
-
-
 def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: ExpertPlacement, limit: float):
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for rank in placement.ranks:
-        ws = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
-        out = out + _rank_moe(x, weights, ids, *ws, placement.local_of[rank], placement.n_local, limit)
-    return out.to(DTYPE)
+    return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
+                           gmm=_gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE)

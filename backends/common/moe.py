@@ -52,3 +52,31 @@ def local_routes(ids: torch.Tensor, weights: torch.Tensor, local_of: torch.Tenso
 def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] bool: rows a grouped matmul actually wrote (before the list's last cumulative end)."""
     return (torch.arange(rows, dtype=torch.int64) < group_list[-1])[:, None]
+
+
+def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
+                dtype: torch.dtype, unpermute_multiple: int = 1) -> torch.Tensor:
+    """Routed experts through a device's routing / grouped-GEMM / unpermute ops, summed over the EP
+    ranks this process runs (one normally; all when EP is simulated). Per rank: local ids with a
+    dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05), weighted combine; a
+    hidden size the unpermute op refuses falls back to an index_select combine (L08)."""
+    from lib.placement import rank_experts
+
+    t, k = ids.shape
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for rank in placement.ranks:
+        m1, m3, m2 = (rank_experts(w, placement, rank) for w in (w1, w3, w2))
+        local, probs = local_routes(ids, weights, placement.local_of[rank], placement.n_local)
+        expanded, row_idx, cumsum, _ = init_routing(
+            x.to(dtype), local, active_num=t * k, expert_num=placement.n_local + 1, expert_tokens_num_type=0,
+            expert_tokens_num_flag=True)
+        group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
+        act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit)
+        down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d]
+        down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
+        if x.shape[-1] % unpermute_multiple == 0:
+            out = out + unpermute(down, row_idx, probs.to(dtype)).float()
+        else:
+            rows = down.float().index_select(0, row_idx).reshape(t, k, -1)
+            out = out + (rows * probs.float().unsqueeze(-1)).sum(1)
+    return out.to(dtype)
