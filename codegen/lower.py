@@ -16,7 +16,8 @@ from spec.schedule import LayerInfo
 from spec.tables import TensorTable
 from spec.yamlio import SpecError
 
-AXES = {"attention": ("swa", "csa", "hca"), "routing": ("hash", "learned")}
+AXES = {"attention": ("swa", "csa", "hca", "dspark"), "routing": ("hash", "learned")}
+STAGE_REFS = {"first.": "params.drafter[0]", "last.": "params.drafter[-1]"}   # model-scope refs to drafter stages
 WRAP = 112  # generated lines longer than this put one argument per line
 
 
@@ -49,12 +50,16 @@ def _runtime_key(key: str) -> str:
 
 
 def _combos(kind: dict[str, str]) -> list[tuple[str, str]]:
+    # drafter stages always learn their routing: there is no hash-routed DSpark layer
     return [(a, r) for a in AXES["attention"] for r in AXES["routing"]
-            if kind.get("attention", a) == a and kind.get("routing", r) == r]
+            if kind.get("attention", a) == a and kind.get("routing", r) == r and (a, r) != ("dspark", "hash")]
 
 
 def _combo_keys(table: TensorTable, attention: str, routing: str) -> set[str]:
-    layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
+    if attention == "dspark":       # a middle stage: first/last-stage extras are not block-program keys
+        layer = LayerInfo(1, "mtp.1", "dspark", attention, 0, routing, "main", 1, False)
+    else:
+        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
     stored = {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
     return stored | {d.key for d in table.derived if d.scope == "block" and d.when.matches(layer)}
 
@@ -90,11 +95,13 @@ class _Lowerer:
         if port is None or not self.profile.ops.get(op) or not self.profile.ops[op].by_format:
             return None
         ref = step.args[port]
-        if not ref.startswith("p."):
+        stage = next((pre for pre in STAGE_REFS if ref.startswith(pre)), None)
+        if not ref.startswith("p.") and stage is None:
             raise SpecError(f"{where}: op '{op}' dispatches on '{port}', which must be bound to a parameter (p.<key>)")
-        key = ref[2:]
+        key = ref[len(stage or "p."):]
+        block = scope == "layer" or stage is not None
         classes = {e.tensor_class for e in self.table.entries
-                   if _runtime_key(e.key) == key and (e.scope == "block") == (scope == "layer")}
+                   if _runtime_key(e.key) == key and (e.scope == "block") == block}
         formats = {self.profile.runtime_format(c) for c in classes}
         if len(formats) != 1:
             raise SpecError(f"{where}: parameter '{key}' has runtime formats {sorted(formats)}; expected exactly one")
@@ -129,18 +136,25 @@ class _Lowerer:
                 body += self.loop(step, args, where)
             else:
                 body += _assign(step.out, f"{self.callee(step.call)}(", ["lp", *args, "layer", "cfg", "rope"])
-            env |= set(step.out)
+            env |= set(step.out) | ({step.tap} if step.tap else set())
         body.append("return " + ", ".join(self.results(prog, env, name)))
         suffix = "".join(f"_{v}" for v in kind.values())
         fname = "forward" if name == "model" else name + suffix
         first = "params" if scope == "model" else "lp"
         extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
-        doc = prog.doc + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
+        doc = prog.doc.strip() + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
         return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
 
     def value(self, ref: str, env: set[str], pkeys: set[str], scope: str, where: str, kind: dict[str, str]) -> str:
         if ref == "none":
             return "None"
+        for pre, record in STAGE_REFS.items():
+            if ref.startswith(pre):
+                key = ref[len(pre):]
+                if key not in self.stage_keys(pre):
+                    raise SpecError(f"{where}: the {pre[:-1]} drafter stage has no parameter '{key}' "
+                                    f"(accepted: {', '.join(sorted(self.stage_keys(pre)))})")
+                return f'{record}["{key}"]'
         if ref.startswith("p."):
             key = ref[2:]
             if key not in pkeys:
@@ -162,6 +176,12 @@ class _Lowerer:
             raise SpecError(f"{where}: '{ref}' is not defined before this step (defined: {', '.join(sorted(env))})")
         return ref
 
+    def stage_keys(self, pre: str) -> set[str]:
+        """Block keys of the first or last DSpark stage of a three-stage drafter."""
+        stage = 0 if pre == "first." else 2
+        layer = LayerInfo(stage, f"mtp.{stage}", "dspark", "dspark", 0, "learned", "main", stage, stage == 2)
+        return {_runtime_key(e.key) for e in self.table.entries if e.scope == "block" and e.when.matches(layer)}
+
     def callee(self, program: str) -> str:
         axis = self.lg.graph.programs[program].variants
         return f"{program.upper()}[layer.{axis}]" if axis else program
@@ -173,11 +193,19 @@ class _Lowerer:
         names = list(callee.inputs)
         if "cache" not in names or step.out[-1] != args[names.index("cache")]:
             raise SpecError(f"{where}: a loop step must thread its 'cache' list through as the last output")
+        caches = args[names.index("cache")]
+        records = "params.layers" if step.loop == "backbone" else "params.drafter"
         call_args = ["lp", *("cache" if n == "cache" else a for n, a in zip(names, args)), "layer", "cfg", "rope"]
-        return ["new_caches = []",
-                "for layer, lp, cache in zip(backbone(cfg), params.layers, caches):",
+        x = step.out[0]
+        tap = [] if step.tap is None else [
+            f"    if layer.index in ({step.tap_layers}):",
+            f"        {step.tap}.append({self.impl('stream_mean')}({x}))"]
+        head = [] if step.tap is None else [f"{step.tap} = []"]
+        return [*head, "new_caches = []",
+                f"for layer, lp, cache in zip({step.loop}(cfg), {records}, {caches}):",
                 *("    " + line for line in _assign(step.out[:-1] + ("cache",), f"{self.callee(step.call)}(", call_args)),
                 "    new_caches.append(cache)",
+                *tap,
                 f"{step.out[-1]} = tuple(new_caches)"]
 
     def results(self, prog: Program, env: set[str], name: str) -> list[str]:

@@ -80,45 +80,6 @@ def _cmd_convert(args) -> int:
     return 0
 
 
-def _cmd_run(args) -> int:
-    from lib.chat import encode_messages
-    from lib.generate import greedy
-    from lib.runtime import load_model
-    from lib.tokenizer import DetokenizeStream, Tokenizer
-
-    path = _model_path(args)
-    tok = Tokenizer.from_dir(path)
-    model = load_model(path, backend=args.backend, progress=True, options=_load_options(args))
-    text = args.prompt if args.raw else encode_messages([{"role": "user", "content": args.prompt}])
-    ids = tok.encode(text)
-    stream = DetokenizeStream(tok, skip_special_tokens=True)
-    for token in greedy(model, ids, args.max_tokens, stop_ids=frozenset({tok.eos_id})):
-        sys.stdout.write(stream.feed(token))
-        sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
-    return 0
-
-
-def _cmd_logits(args) -> int:
-    import numpy as np
-
-    from lib.generate import all_logits
-    from lib.runtime import load_model
-
-    try:
-        ids = [int(x) for x in args.ids.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--ids must be comma-separated integers, got '{args.ids}'") from None
-    model = load_model(_model_path(args), backend=args.backend, progress=True, options=_load_options(args))
-    logits = all_logits(model, ids).numpy()
-    out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.tmp.npy")
-    np.save(tmp, logits)
-    tmp.replace(out)
-    print(f"wrote logits {list(logits.shape)} float32 to {out}")
-    return 0
-
-
 def _cmd_conformance(args) -> int:
     from lib import conformance
     from lib.inject import CATALOGUE
@@ -226,22 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
     s.set_defaults(func=_cmd_conformance)
 
-    for name, helptext, func in (("run", "greedy generation from a prompt", _cmd_run),
-                                 ("logits", "fp32 logits of every position, saved as .npy", _cmd_logits)):
-        s = sub.add_parser(name, help=helptext)
-        s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
-        s.add_argument("--backend", default="cpu", choices=backend_names())
-        s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"],
-                       help="how routed experts are held (ascend310p)")
-        s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
-        if name == "run":
-            s.add_argument("--prompt", required=True)
-            s.add_argument("--max-tokens", type=int, default=32)
-            s.add_argument("--raw", action="store_true", help="send the prompt as is, without the V4 chat encoding")
-        else:
-            s.add_argument("--ids", required=True, help="comma-separated token ids")
-            s.add_argument("--out", required=True, help="output .npy file")
-        s.set_defaults(func=func)
+    from lib.cli_run import add_arguments
+    add_arguments(sub, backend_names(), _model_path, _load_options)
     return p
 
 

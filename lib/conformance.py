@@ -5,7 +5,9 @@ Everything runs through the real loaders and generated modules. The reference fi
 fault injection active, the device backend is loaded and checked under the capability guard:
 each recorded sub-layer is re-run teacher-forced (same inputs) within the profile's budget, the
 whole model is teacher-forced over the reference tokens (top-1 must agree wherever the reference
-margin exceeds the logit budget), and runs are repeated, alone and batched, for determinism.
+margin exceeds the logit budget), and runs are repeated, alone and batched, for determinism. The
+device's whole-model runs go through the paged cache with its profile's block geometry, which
+must restore the dense state bit for bit (a broken slot mapping shows there, B12-B14).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from lib.batch import make_batch
 from lib.conformance_ops import op_checks, recording_reference_ops, run_ops, weight_free_ops
 from lib.guard import CapabilityGuard, rules_from_profile
+from lib.paged import PagedCache
+from lib.paged_step import paged_step
 from lib.params import LoadOptions
 from lib.runtime import Model, load_model, step
 from lib.state import CompressorState, LayerCache
@@ -98,15 +102,47 @@ def _generated(model: Model):
 
 
 def _teacher_forced(model: Model, prompt: list[int], tokens: list[int], copies: int = 1) -> list[torch.Tensor]:
-    """Logits [copies, V] after the prompt and after each forced token (the last-row logits)."""
-    caches = [model.new_cache() for _ in range(copies)]
-    logits, caches = step(model, make_batch([prompt] * copies, last_only=True), caches)
+    """Logits [copies, V] after the prompt and after each forced token (the last-row logits), through
+    the paged cache with the backend's block geometry: a prefill, then one position per step."""
+    block = load_profile(model.backend).cache.block_tokens
+    total = len(prompt) + len(tokens) - 1
+    # pools sized to the run, so a slot that strays outside its sequence's blocks fails loudly (B12)
+    store = PagedCache.for_model(model, num_blocks=copies * -(-total // block), max_seqs=copies)
+    seqs = list(range(copies))
+    for seq in seqs:
+        store.add(seq)
+    (logits,) = paged_step(model, make_batch([prompt] * copies, last_only=True), store, seqs)
     out, pos = [logits], len(prompt)
     for token in tokens[:-1]:
-        logits, caches = step(model, make_batch([[token]] * copies, [pos] * copies, last_only=True), caches)
+        (logits,) = paged_step(model, make_batch([[token]] * copies, [pos] * copies, last_only=True), store, seqs)
         out.append(logits)
         pos += 1
     return out
+
+
+def _dense_teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The same run over the dense records step passes around: what the paged cache must restore."""
+    logits, caches = step(model, make_batch([prompt], last_only=True), [model.new_cache()])
+    out, pos = [logits], len(prompt)
+    for token in tokens[:-1]:
+        logits, caches = step(model, make_batch([[token]], [pos], last_only=True), caches)
+        out.append(logits)
+        pos += 1
+    return out
+
+
+class PagedRun(NamedTuple):
+    logits: list[torch.Tensor] | None
+    error: str | None
+
+
+def _paged_run(model: Model, prompt: list[int], tokens: list[int], copies: int = 1) -> PagedRun:
+    """A paged teacher-forced run; a slot mapping gone wrong can index outside its pool or block table
+    (B12, B13), which is a finding of this report, not a crash of it."""
+    try:
+        return PagedRun(_teacher_forced(model, prompt, tokens, copies), None)
+    except (IndexError, RuntimeError) as err:
+        return PagedRun(None, f"{type(err).__name__}: {err}")
 
 
 def _device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -180,21 +216,38 @@ def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim:
         with guard:
             op_results = run_ops(op_calls, profile)
             results = _device_sublayers(ref_calls, dev)
-            first = _teacher_forced(dev, prompt, tokens)
+            first = _paged_run(dev, prompt, tokens)
         checks += op_checks(op_results, profile, Check)
         checks += _sublayer_checks(results, budgets)
-        second = _teacher_forced(dev, prompt, tokens)
-        batched = _teacher_forced(dev, prompt, tokens, copies=4)
+        dense = _dense_teacher_forced(dev, prompt, tokens)
+        second = _paged_run(dev, prompt, tokens) if first.error is None else first
+        batched = _paged_run(dev, prompt, tokens, copies=4) if first.error is None else first
     violations = guard.report().violations
     checks.append(Check("guard violations", str(len(violations)), "0", not violations))
-    checks += _logit_checks(ref_logits, first, budgets["logits"].budget)
-    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    checks.append(_paged_check(first, dense))
+    checks += _logit_checks(ref_logits, first.logits or dense, budgets["logits"].budget)
+    if any(r.error is not None for r in (second, batched)):
+        checks += [Check(name, "not run: paged run failed", "identical", False)
+                   for name in ("repeat determinism", "4x batch replicas")]
+        return Report(backend, tuple(checks))
+    same = all(torch.equal(a, b) for a, b in zip(first.logits, second.logits))
     checks.append(Check("repeat determinism", "identical" if same else "differs", "identical", same))
     # four replicas of the prompt in one batch must agree with each other bit for bit (uninitialised
     # grouped-matmul rows made the field port's replicas diverge, B10)
-    rows_agree = all(torch.equal(b[i], b[0]) for b in batched for i in range(1, 4))
+    rows_agree = all(torch.equal(b[i], b[0]) for b in batched.logits for i in range(1, 4))
     checks.append(Check("4x batch replicas", "identical" if rows_agree else "differ", "identical", rows_agree))
     return Report(backend, tuple(checks))
+
+
+def _paged_check(paged: PagedRun, dense: list[torch.Tensor]) -> Check:
+    """The paged cache restores the dense state bit for bit, so the paged run's logits equal the dense
+    run's exactly; a wrong slot mapping (B12, B13) or group (B14) reads other rows."""
+    name = "paged cache vs dense state (teacher-forced logits)"
+    if paged.error is not None:
+        return Check(name, paged.error[:60], "identical", False)
+    worst = max((p - d).abs().max().item() for p, d in zip(paged.logits, dense))
+    same = all(torch.equal(p, d) for p, d in zip(paged.logits, dense))
+    return Check(name, "identical" if same else f"max |delta| {worst:.3g}", "identical", same)
 
 
 def _reference_greedy(ref: Model, prompt: list[int], steps: int) -> list[torch.Tensor]:

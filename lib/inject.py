@@ -98,6 +98,25 @@ def _rank0_map(original):
     return placement
 
 
+def _logical_as_physical(original):
+    def physical_slots(table, q, block_tokens, logical_block_tokens):   # B12: logical id = physical block
+        logical = table.index_select(0, (q // logical_block_tokens).to(torch.int32)).to(torch.int64)
+        return logical * block_tokens + q % block_tokens
+    return physical_slots
+
+
+def _raw_token_positions(original):
+    def group_positions(group, start, end):          # B13: entries slotted by the token that emitted them
+        if group.ratio == 0:
+            return original(group, start, end)
+        return (torch.arange(start // group.ratio, end // group.ratio) + 1) * group.ratio - 1
+    return group_positions
+
+
+def _last_group(original):
+    return lambda metas, ratio: metas[-1]              # B14: the last group's metadata for every layer
+
+
 CATALOGUE: dict[str, Injection] = {
     "B01": Injection("B01", "MXFP4 unpacked as all low nibbles then all high nibbles", ALL,
                      "lib.codecs:unpack_e2m1", _planar_unpack),
@@ -118,6 +137,13 @@ CATALOGUE: dict[str, Injection] = {
                      _keep_tail_rows),
     "B11": Injection("B11", "every EP rank uses rank 0's expert map", ALL, "lib.placement:expert_placement",
                      _rank0_map),
+    # paged decode state: only 310P's hybrid geometry (L19) makes logical and physical ids differ
+    "B12": Injection("B12", "logical block id used as physical block id", ("ascend310p",),
+                     "backends.common.paging:physical_slots", _logical_as_physical),
+    "B13": Injection("B13", "compressed groups slotted by raw token positions", ALL, "lib.paged:group_positions",
+                     _raw_token_positions),
+    "B14": Injection("B14", "every layer reads the last cache group's metadata", ALL, "lib.paged:group_of",
+                     _last_group),
 }
 
 

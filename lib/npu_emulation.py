@@ -14,6 +14,8 @@ from types import MappingProxyType
 
 import torch
 
+from lib.invariant import matmul
+
 try:  # lib/guard.py counts a shim call as one device launch; until it exists the shims are plain functions
     from lib.guard import device_op
 except ImportError:
@@ -273,7 +275,7 @@ def grouped_matmul(x, weight, bias, scale, offset, antiquant_scale, antiquant_of
         od = as_dtype(output_dtype, op) or xt.dtype
         need(od == xt.dtype, f"{c.name} {op}: output_dtype {od} must equal x's dtype {xt.dtype}")
         def part(g, a, b):
-            return xt[a:b].float() @ w[g].float() + (0 if b0 is None else b0[g].float())
+            return matmul(xt[a:b].float(), w[g].float()) + (0 if b0 is None else b0[g].float())
     else:
         need(c.gmm_quant, f"{c.name} {op}: no quantised grouped matmul on 310P (fp16 only); use "
              "npu_quant_grouped_matmul_dequant")

@@ -47,6 +47,12 @@ def runtime_key(logical: Logical) -> str:
     return logical.entry.key.replace("{expert}.", "")
 
 
+def reads_preconverted(logical: Logical) -> bool:
+    """Whether a tensor comes from the preconverted shards: the target's routed experts only.
+    Drafter experts are decoded from their own stored format whatever the target's mode (B17)."""
+    return logical.entry.tensor_class == "routed_expert" and logical.layer.role == "backbone"
+
+
 def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False,
                 options: LoadOptions = LoadOptions()) -> Params:
     """Convert every logical tensor with the converter the backend's table names for it, then
@@ -59,7 +65,7 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     n_local = ckpt.config.n_routed_experts // options.ep_size
     items = tqdm(ckpt.logical, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for t in items:
-        if store is not None and t.entry.tensor_class == "routed_expert":
+        if store is not None and reads_preconverted(t):
             ledger.mark(t)                  # read once, from the converted shards instead
             value = store.read(t.key, t.expert, n_local)
         else:

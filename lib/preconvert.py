@@ -23,7 +23,7 @@ from lib.placement import expert_placement
 from spec.profile import load_profile, load_runtime_formats
 
 MARKER = "dsv4gen-converted.json"
-MARKER_VERSION = 1
+MARKER_VERSION = 2
 
 
 def _rank_file(rank: int, world: int) -> str:
@@ -44,7 +44,7 @@ def default_dir(src: Path | str, backend: str, tp: int, ep: int) -> Path:
 
 def convert(src: Path | str, backend: str, out: Path | str | None = None, tp: int = 1, ep: int = 1,
             overwrite: bool = False, progress: bool = False) -> Path:
-    """Write the routed experts of `src`, converted for `backend`, one file per EP rank."""
+    """Write the target's routed experts of `src`, converted for `backend`, one file per EP rank."""
     if tp != 1:
         raise ValueError("tensor-parallel conversion (--tp > 1) needs tensor-parallel sharding, which is not "
                          "built yet; convert with --tp 1")
@@ -57,7 +57,8 @@ def convert(src: Path | str, backend: str, out: Path | str | None = None, tp: in
     ckpt = Checkpoint(src)
     placement = expert_placement(ckpt.config.n_routed_experts, ep, 0)
     per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(ep)]
-    experts = [t for t in ckpt.logical if t.entry.tensor_class == "routed_expert"]
+    # target experts only: the drafter's are read from the source in their stored format (B17)
+    experts = [t for t in ckpt.logical if t.entry.tensor_class == "routed_expert" and t.layer.role == "backbone"]
     for t in tqdm(experts, desc=f"converting experts for {backend}", unit="tensor", leave=False, disable=not progress):
         rank = t.expert // placement.n_local
         value = converter(t.format, ckpt.read_parts(t), ckpt.config)

@@ -31,6 +31,7 @@ class Model(NamedTuple):
     forward: Any                     # the backend's generated `forward`
     root: Path
     state_dtype: torch.dtype         # dtype of KV windows and compressed entries (the compute dtype)
+    module: Any = None               # the backend's generated model module (drafter programs live there)
 
     def new_cache(self) -> SeqCache:
         return new_cache(self.cfg, self.state_dtype)
@@ -46,9 +47,9 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     options = options._replace(backend=backend)
     ckpt = Checkpoint(path)
     params = backend_module(backend, "loader").load(ckpt, progress=progress, options=options)
-    forward = backend_module(backend, "model").forward
+    module = backend_module(backend, "model")
     dtype = getattr(torch, load_profile(backend).compute_dtype)
-    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), forward, Path(path), dtype)
+    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), module.forward, Path(path), dtype, module)
 
 
 def new_cache(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:
@@ -87,13 +88,17 @@ def _by_sequence(layers: tuple[LayerCache, ...], old: list[SeqCache], batch: Bat
     return out
 
 
-def step(model: Model, batch: Batch, caches: list[SeqCache]) -> tuple[torch.Tensor, list[SeqCache]]:
-    """One forward over a batch; caches[s] must hold exactly batch.starts[s] tokens."""
+def step(model: Model, batch: Batch, caches: list[SeqCache], *, with_hidden: bool = False):
+    """One forward over a batch; caches[s] must hold exactly batch.starts[s] tokens.
+
+    Returns (logits, new caches), plus main_hidden [T, k*d] (the DSpark context features of
+    every row, None without a drafter) when `with_hidden`."""
     for s, cache in enumerate(caches):
         if cache.length != batch.starts[s]:
             raise ValueError(f"sequence {s}: cache holds {cache.length} tokens but the batch continues at "
                              f"position {batch.starts[s]}")
     with torch.inference_mode():
-        logits, layers = model.forward(model.params, batch, _by_layer(caches, model.cfg.num_hidden_layers),
-                                       model.cfg, model.rope)
-    return logits, _by_sequence(layers, caches, batch)
+        logits, layers, hidden = model.forward(model.params, batch, _by_layer(caches, model.cfg.num_hidden_layers),
+                                               model.cfg, model.rope)
+    new = _by_sequence(layers, caches, batch)
+    return (logits, new, hidden) if with_hidden else (logits, new)

@@ -15,9 +15,14 @@ class CompressorState(NamedTuple):
     """One compressor (the attention's, or the CSA indexer's own) of one sequence."""
     buf_kv: torch.Tensor     # [b, C] projections A of the incomplete window's tokens, b = length % m
     buf_gate: torch.Tensor   # [b, C] gate logits Z + ape of those tokens
-    prev_kv: torch.Tensor    # [m or 0, C/2] CSA: "a" half of the last complete window (overlap); [0, ...] before the first
-    prev_gate: torch.Tensor  # [m or 0, C/2]
+    prev_kv: torch.Tensor    # [m or 0, Dc] CSA: "a" half of the last complete window (overlap); [0, Dc] before the first and always for HCA
+    prev_gate: torch.Tensor  # [m or 0, Dc]
     entries: torch.Tensor    # [E, Dc] compressed entries so far, normalised, RoPE applied; E = length // m
+    # This call's new positions' projections, fp32: the per-position rows paged storage keeps
+    # (lib/paged.py rebuilds every field above from them, the committed length and the entries).
+    # Not read by the ops; empty on a state that no compress call produced.
+    rows_kv: torch.Tensor = torch.zeros(0, 0)     # [n, C] A of the n new positions
+    rows_gate: torch.Tensor = torch.zeros(0, 0)   # [n, C] Z + ape of the n new positions
 
 
 class LayerCache(NamedTuple):
@@ -35,4 +40,5 @@ def empty_compressor(channels: int, entry_dim: int, entry_dtype=torch.float32) -
     f32 = torch.float32
     return CompressorState(torch.zeros(0, channels, dtype=f32), torch.zeros(0, channels, dtype=f32),
                            torch.zeros(0, entry_dim, dtype=f32), torch.zeros(0, entry_dim, dtype=f32),
-                           torch.zeros(0, entry_dim, dtype=entry_dtype))
+                           torch.zeros(0, entry_dim, dtype=entry_dtype),
+                           torch.zeros(0, channels, dtype=f32), torch.zeros(0, channels, dtype=f32))

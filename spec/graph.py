@@ -50,11 +50,15 @@ class StepWhen(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class Step(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     op: str | None = None
     call: str | None = None
-    loop: Literal["backbone"] | None = None
+    loop: Literal["backbone", "drafter"] | None = None
     args: dict[str, str] = {}
     attrs: dict[str, str | int | float | bool] = {}
     out: tuple[str, ...] = ()
     when: StepWhen = StepWhen()
+    # loop steps only: collect `stream_mean(x)` after each block whose index is in `tap_layers`
+    # (a cfg expression) into the list named by `tap` (DSpark context features, §5.2)
+    tap: str | None = None
+    tap_layers: str | None = None
 
 
 class Program(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -115,6 +119,10 @@ def check_graph(lg: LoadedGraph) -> None:
                 _check_call_step(step, g, where)
             for attr, value in step.attrs.items():
                 check_attr_expr(value, f"{where}: attr '{attr}'")
+            if (step.tap is None) != (step.tap_layers is None) or (step.tap is not None and step.loop is None):
+                raise SpecError(f"{where}: 'tap' and 'tap_layers' go together, on a loop step")
+            if step.tap_layers is not None:
+                check_attr_expr(step.tap_layers, f"{where}: tap_layers")
 
 
 def _check_op_step(step: Step, g: Graph, where: str) -> None:

@@ -67,6 +67,15 @@ class Budget(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     why: str
 
 
+class CacheGeometry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Paged decode-state blocks (lib/paged.py): a physical block of `block_tokens` positions is
+    addressed by the attention kernel as block_tokens / logical_block_tokens logical blocks (L19)."""
+    block_tokens: int               # positions per physical block (the allocation unit)
+    logical_block_tokens: int       # positions per block-table entry the kernel reads
+    reason: str
+    lessons: tuple[LessonId, ...] = ()
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -74,6 +83,9 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dtypes: DTypes
     op_default: Lowering
     runtime_formats: RuntimeFormats
+    # required in every profile.yaml (load_profile refuses one without it); the default only lets
+    # code build a Profile by hand for tests that never page a cache
+    cache: CacheGeometry | None = None
     ops: dict[str, OpLowering] = {}
     device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device.py
     forbidden_ops: dict[str, str] = {}      # aten ops the device must never see on a hot path -> why
@@ -172,4 +184,11 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
         if fmt not in runtime:
             raise SpecError(f"{path}:{lines[('expert_modes', mode)]}: expert mode '{mode}' names unknown runtime "
                             f"format '{fmt}' (accepted: {', '.join(runtime)})")
+    geo = prof.cache
+    if geo is None:
+        raise SpecError(f"{path}:1: missing required key 'cache' (block_tokens, logical_block_tokens, reason)")
+    if geo.logical_block_tokens <= 0 or geo.block_tokens <= 0 or geo.block_tokens % geo.logical_block_tokens:
+        raise SpecError(f"{path}:{lines.get(('cache', 'block_tokens'), lines.get(('cache',), '?'))}: cache "
+                        f"block_tokens {geo.block_tokens} must be a positive multiple of logical_block_tokens "
+                        f"{geo.logical_block_tokens}")
     return prof

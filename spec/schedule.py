@@ -13,7 +13,7 @@ from spec.config import ModelConfig
 # exactly when its ratio is 4 (CSA); every other positive ratio is a non-overlapping HCA layer.
 CSA_RATIO = 4
 
-Attention = Literal["swa", "csa", "hca"]
+Attention = Literal["swa", "csa", "hca", "dspark"]
 Role = Literal["backbone", "mtp", "dspark"]
 
 
@@ -29,7 +29,11 @@ class LayerInfo(NamedTuple):
     last_stage: bool
 
 
-def attention_kind(ratio: int) -> Attention:
+def attention_kind(ratio: int, role: Role = "backbone") -> Attention:
+    # A DSpark stage's attention reads its context ring plus the draft block bidirectionally
+    # (DSV4-REFERENCE §5.2): its own kind, though its ratio is 0 like a sliding layer's.
+    if role == "dspark":
+        return "dspark"
     if ratio == 0:
         return "swa"
     return "csa" if ratio == CSA_RATIO else "hca"
@@ -55,7 +59,7 @@ def schedule(cfg: ModelConfig) -> tuple[LayerInfo, ...]:
             index=i,
             prefix=f"layers.{i}" if backbone else f"mtp.{stage}",
             role="backbone" if backbone else kind,
-            attention=attention_kind(ratio),
+            attention=attention_kind(ratio, "backbone" if backbone else kind),
             ratio=ratio,
             # hash routing only for the first num_hash_layers backbone layers (drafters learn)
             routing="hash" if backbone and i < cfg.num_hash_layers else "learned",

@@ -71,7 +71,7 @@ def test_schedule_flash_0731(flash):
     assert [s.prefix for s in stages] == ["mtp.0", "mtp.1", "mtp.2"]
     assert [s.stage for s in stages] == [0, 1, 2]
     assert [s.last_stage for s in stages] == [False, False, True]
-    assert all(s.role == "dspark" and s.attention == "swa" and s.ratio == 0 and s.routing == "learned"
+    assert all(s.role == "dspark" and s.attention == "dspark" and s.ratio == 0 and s.routing == "learned"
                for s in stages)
 
     for lay in schedule(flash):

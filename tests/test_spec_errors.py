@@ -153,7 +153,7 @@ def test_tensors_when_attention_mla(tmp_path):
     p = tensors(tmp_path, "when: {attention: [hca]}, shape: [compress_ratio, head_dim]",
                 "when: {attention: [mla]}, shape: [compress_ratio, head_dim]")
     assert error_of(load_tensor_table, p) == (
-        f"{p}:{line(p, '[mla]')}: invalid enum value 'mla' (accepted: swa, csa, hca) "
+        f"{p}:{line(p, '[mla]')}: invalid enum value 'mla' (accepted: swa, csa, hca, dspark) "
         "at 'entries.22.when.attention.0'")
 
 
@@ -322,14 +322,14 @@ def test_graph_attr_unknown_root(tmp_path):
 def test_graph_step_unknown_key(tmp_path):
     p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("args:", "arg:"))
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, '{op: add')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when) "
+        f"{p}:{line(p, '{op: add')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, tap_layers) "
         "at 'programs.ffn.steps.4.arg'")
 
 
 def test_graph_unknown_program(tmp_path):
     p = graph(tmp_path, "{call: ffn, args", "{call: fnn, args")
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, ffn, model)")
+        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, draft, draft_context, ffn, model, ring_entry)")
 
 
 def test_graph_reads_value_defined_later(tmp_path):

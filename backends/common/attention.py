@@ -11,15 +11,17 @@ import torch
 
 from backends.common.rope import rope
 from lib.batch import Batch
+from lib.invariant import matmul
 from lib.state import CompressorState
 
 
 def compress(h, batch: Batch, states: list[CompressorState], wkv, wgate, ape, norm, *, ratio: int,
              overlap: bool, eps: float, inv_freq, rope_dim: int) -> list[CompressorState]:
-    """h [T, d] -> per-sequence compressor states with new entries (fp32 pooling, entries in h's dtype)."""
+    """h [T, d] -> per-sequence compressor states with new entries (fp32 pooling, entries in h's dtype)
+    and this call's A / Z + ape rows [n, C] fp32 in rows_kv / rows_gate (for paged storage)."""
     slot = (batch.positions % ratio).to(torch.int32)
-    a_all = (h.to(wkv.dtype) @ wkv.t()).float()                                # [T, C]
-    z_all = (h.to(wgate.dtype) @ wgate.t()).float() + ape.float().index_select(0, slot)
+    a_all = matmul(h.to(wkv.dtype), wkv.t()).float()                           # [T, C]
+    z_all = matmul(h.to(wgate.dtype), wgate.t()).float() + ape.float().index_select(0, slot)
     out = []
     for seg in batch.segments():
         st = states[seg.index]
@@ -39,7 +41,8 @@ def compress(h, batch: Batch, states: list[CompressorState], wkv, wgate, ape, no
             pos = (first_window + torch.arange(full, dtype=torch.int32)) * ratio
             entries = torch.cat((entries.to(h.dtype), rope(new, pos, inv_freq, rope_dim).to(h.dtype)))
         rest = full * ratio
-        out.append(CompressorState(kv[rest:], gate[rest:], prev_kv, prev_gate, entries))
+        out.append(CompressorState(kv[rest:], gate[rest:], prev_kv, prev_gate, entries,
+                                   a_all[seg.lo:seg.hi], z_all[seg.lo:seg.hi]))
     return out
 
 
@@ -67,7 +70,7 @@ def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: in
         if k.shape[0] == 0:
             continue
         ws = weights[seg.lo:seg.hi].float() * weight_scale
-        dots = torch.einsum("thd,ed->the", q[seg.lo:seg.hi].float(), k.float())
+        dots = matmul(q[seg.lo:seg.hi].float(), k.float().t())                         # [n, H, E]
         scores = (ws.unsqueeze(-1) * torch.relu(dots)).sum(1)                         # [n, E]
         ready = ((batch.positions[seg.lo:seg.hi] + 1) // ratio).to(torch.int32)
         visible = torch.arange(k.shape[0], dtype=torch.int32)[None, :] < ready[:, None]
@@ -80,15 +83,24 @@ def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: in
 
 def sparse_attention(q, kv, batch: Batch, windows: list[torch.Tensor], entries, selection, sink, *,
                      window: int, ratio: int):
-    """Window + compressed entries + sink, one fp32 softmax; o and new windows in kv's dtype."""
+    """Window + compressed entries + sink, one fp32 softmax; o and new windows in kv's dtype.
+
+    Every query gets its own key rows in one canonical layout: slot k of its W window slots holds
+    position t-W+1+k (slots before position 0 masked), then the sequence's entries in order.
+    A query's sums therefore run over the same operands in the same order whether it is decoded
+    alone or verified with five drafts after it: batch invariance, which lossless speculative
+    decoding needs, holds by construction instead of by luck of the reduction order."""
     d = q.shape[-1]
     outs, new_windows = [], []
     for seg in batch.segments():
         old = windows[seg.index].to(kv.dtype)
-        keys = torch.cat((old, kv[seg.lo:seg.hi]))
+        n, w0 = seg.hi - seg.lo, old.shape[0]
+        keys = torch.cat((old, kv[seg.lo:seg.hi]))                                    # positions start-w0 ..
+        padded = torch.cat((keys.new_zeros(window - 1, keys.shape[1]), keys))
+        slots = padded.unfold(0, window, 1)[w0: w0 + n].transpose(1, 2)              # [n, W, D]
         pos = batch.positions[seg.lo:seg.hi].to(torch.int32)
-        key_pos = torch.arange(seg.start - old.shape[0], seg.start + seg.hi - seg.lo, dtype=torch.int32)
-        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
+        slot_pos = pos[:, None] - window + 1 + torch.arange(window, dtype=torch.int32)[None, :]
+        mask = slot_pos >= 0                                                           # [n, W]
         if entries is not None:
             comp = entries[seg.index].to(kv.dtype)
             ids = torch.arange(comp.shape[0], dtype=torch.int32)
@@ -96,14 +108,15 @@ def sparse_attention(q, kv, batch: Batch, windows: list[torch.Tensor], entries, 
             if selection is not None:
                 sel = selection[seg.lo:seg.hi].to(torch.int32)
                 visible = visible & (sel[:, :, None] == ids[None, None, :]).any(dim=1)
-            keys = torch.cat((keys, comp))
+            slots = torch.cat((slots, comp.unsqueeze(0).expand(n, -1, -1)), dim=1)     # [n, W + E, D]
             mask = torch.cat((mask, visible), dim=1)
-        logits = torch.einsum("thd,kd->thk", q[seg.lo:seg.hi].float(), keys.float()) / d ** 0.5
+        kf = slots.float()
+        logits = torch.einsum("thd,tkd->thk", q[seg.lo:seg.hi].float(), kf) / d ** 0.5
         logits = torch.where(mask[:, None, :], logits, float("-inf"))
         sk = sink.float()[None, :, None]
         top = torch.maximum(logits.amax(-1, keepdim=True), sk)
         e = torch.exp(logits - top)
         p = e / (e.sum(-1, keepdim=True) + torch.exp(sk - top))
-        outs.append((p @ keys.float()).to(kv.dtype))
-        new_windows.append(keys[: old.shape[0] + seg.hi - seg.lo][-window:])
+        outs.append(torch.einsum("thk,tkd->thd", p, kf).to(kv.dtype))
+        new_windows.append(keys[-window:])
     return torch.cat(outs), new_windows

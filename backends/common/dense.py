@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from lib.invariant import matmul
+
 
 def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[T] ids -> [T, d]; int32 gather indices (int64 gathers fall back to the AI-CPU, L13)."""
@@ -29,12 +31,12 @@ def head_rms_norm(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Unquantised y = x W^T in the weight's dtype (LM head, embeddings and projections kept dense, B06)."""
-    return x.to(weight.dtype) @ weight.t()
+    return matmul(x.to(weight.dtype), weight.t())
 
 
 def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x W^T accumulated and returned in fp32 (logits: fp16 cannot resolve top-1 margins)."""
-    return x.float() @ weight.float().t()
+    return matmul(x.float(), weight.float().t())
 
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -46,7 +48,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     t = x.shape[0]
     xg = x.to(weight.dtype).reshape(t, groups, -1)
     wg = weight.reshape(groups, -1, xg.shape[-1])
-    return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1)
+    return torch.cat([matmul(xg[:, g], wg[g].t()) for g in range(groups)], dim=-1)
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

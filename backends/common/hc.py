@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from lib.invariant import matmul
+
 
 def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
     return e.float().unsqueeze(1).expand(-1, streams, -1).contiguous()
@@ -15,7 +17,7 @@ def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
 
 def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     flat = x.float().flatten(1)
-    return (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ fn.float().t()
+    return matmul(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps), fn.float().t())
 
 
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype):

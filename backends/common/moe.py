@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lib.invariant import matmul
+
 
 def _scores(x, gate) -> torch.Tensor:
-    return torch.sqrt(F.softplus(x.float() @ gate.float().t()))                 # [T, E] fp32
+    return torch.sqrt(F.softplus(matmul(x.float(), gate.float().t())))                 # [T, E] fp32
 
 
 def _pick(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

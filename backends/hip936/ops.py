@@ -12,6 +12,7 @@ import torch
 
 from backends.common import hc, moe
 from backends.hip936 import device
+from lib.invariant import matmul
 from lib.placement import ExpertPlacement, rank_experts
 from lib.wformats import PackedFP4, packed_fp4_to_w8a8
 
@@ -29,8 +30,8 @@ def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
 def shared_expert(x, w1, w3, w2, limit: float):
     """The shared expert with BF16 weights (dequantised once at load, L27, L29)."""
     x = x.to(DTYPE)
-    act = moe.clipped_swiglu(x @ w1.t(), x @ w3.t(), limit).to(DTYPE)
-    return act @ w2.t()
+    act = moe.clipped_swiglu(matmul(x, w1.t()), matmul(x, w3.t()), limit).to(DTYPE)
+    return matmul(act, w2.t())
 
 
 def _quant_tokens(x: torch.Tensor):

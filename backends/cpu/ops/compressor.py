@@ -17,7 +17,8 @@ from lib.state import CompressorState
 def compress(h: torch.Tensor, batch: Batch, states: list[CompressorState], wkv: torch.Tensor,
              wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, *, ratio: int, overlap: bool,
              eps: float, inv_freq: torch.Tensor, rope_dim: int) -> list[CompressorState]:
-    """h [T, d] -> new per-sequence states with entries appended.
+    """h [T, d] -> new per-sequence states with entries appended; rows_kv / rows_gate carry this
+    call's A and Z + ape rows [n, C] fp32 (what paged storage keeps per position).
 
     wkv, wgate [C, d] with C = 2*Dc when `overlap` (CSA: series a = [:Dc], b = [Dc:]) else Dc;
     ape [ratio, C] biases the gate by position within the window.
@@ -43,7 +44,8 @@ def compress(h: torch.Tensor, batch: Batch, states: list[CompressorState], wkv: 
             pos = (first_window + torch.arange(full)) * ratio              # RoPE at each window's first token
             entries = torch.cat((entries, rope(new, pos, inv_freq, rope_dim)))
         rest = full * ratio
-        out.append(CompressorState(kv[rest:], gate[rest:], prev_kv, prev_gate, entries))
+        out.append(CompressorState(kv[rest:], gate[rest:], prev_kv, prev_gate, entries,
+                                   a_all[seg.lo:seg.hi], z_all[seg.lo:seg.hi]))
     return out
 
 
