@@ -113,9 +113,12 @@ class Scheduler:
             planned = {s.request.id for s in plan}
             victims = [r for r in self.running if r is not req and r.id not in planned]
             if not victims:
-                self.running.remove(req)
-                self.store.free(req.id)
-                refused.append(req)
+                if len(self.running) > 1:        # the others already have this step's blocks: wait
+                    self.preempt(req)
+                else:                            # alone and still no room: it can never run
+                    self.running.remove(req)
+                    self.store.free(req.id)
+                    refused.append(req)
                 return False
             self.preempt(max(victims, key=lambda r: r.arrival))
         return True
