@@ -220,7 +220,9 @@ def test_noise_token_comes_from_the_config(cpu_model, monkeypatch):
 @pytest.mark.parametrize("backend", ["cpu", "ascend310p", "ascend910", "hip936"])
 def test_batch_chunk_and_speculation_invariance(backend):
     """tests/engine_invariance.py in its own process with ATen's scalar-consistent kernels (it says why)."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1",
+           # glibc otherwise returns and re-maps the fp64 temporaries of every op (several x slower)
+           "MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
     out = subprocess.run([sys.executable, "-m", "tests.engine_invariance", "--backend", backend], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
