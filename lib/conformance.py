@@ -7,7 +7,9 @@ each recorded sub-layer is re-run teacher-forced (same inputs) within the profil
 whole model is teacher-forced over the reference tokens (top-1 must agree wherever the reference
 margin exceeds the logit budget), and runs are repeated, alone and batched, for determinism. The
 device's whole-model runs go through the paged cache with its profile's block geometry, which
-must restore the dense state bit for bit (a broken slot mapping shows there, B12-B14).
+must restore the dense state bit for bit (a broken slot mapping shows there, B12-B14). Then the
+serving side (lib/conformance_engine.py): the engine under the guard, and the DSpark draft block
+against the reference's (B17, B20).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from lib.batch import make_batch
+from lib.conformance_engine import DraftReference, draft_checks, drafter_model, engine_checks, reference_draft
 from lib.conformance_ops import op_checks, recording_reference_ops, run_ops, weight_free_ops
 from lib.guard import CapabilityGuard, rules_from_profile
 from lib.paged import PagedCache
@@ -188,6 +191,7 @@ class ReferenceRun(NamedTuple):
     logits: list[torch.Tensor]         # last-row logits after the prompt and after each token
     sublayer_calls: list               # recorded attention / MoE sub-layer calls
     op_calls: list                     # recorded weight-free op calls
+    draft: DraftReference | None       # greedy draft blocks over prompt + tokens (None: no DSpark drafter)
 
 
 def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> ReferenceRun:
@@ -195,7 +199,8 @@ def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> Referenc
     prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
     with _recording(_generated(ref)) as calls, recording_reference_ops(weight_free_ops()) as op_calls:
         logits = _reference_greedy(ref, prompt, steps)
-    return ReferenceRun(prompt, [int(torch.argmax(x[-1])) for x in logits], logits, calls, op_calls)
+    tokens = [int(torch.argmax(x[-1])) for x in logits]
+    return ReferenceRun(prompt, tokens, logits, calls, op_calls, reference_draft(ref, prompt + tokens))
 
 
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
@@ -222,10 +227,15 @@ def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim:
         dense = _dense_teacher_forced(dev, prompt, tokens)
         second = _paged_run(dev, prompt, tokens) if first.error is None else first
         batched = _paged_run(dev, prompt, tokens, copies=4) if first.error is None else first
+        serving = engine_checks(dev, prompt, profile, Check)
+        if reference.draft is not None:
+            with drafter_model(model_path, backend, profile, dev, options) as (drafting, mode):
+                serving += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
     violations = guard.report().violations
     checks.append(Check("guard violations", str(len(violations)), "0", not violations))
     checks.append(_paged_check(first, dense))
     checks += _logit_checks(ref_logits, first.logits or dense, budgets["logits"].budget)
+    checks += serving
     if any(r.error is not None for r in (second, batched)):
         checks += [Check(name, "not run: paged run failed", "identical", False)
                    for name in ("repeat determinism", "4x batch replicas")]

@@ -25,6 +25,7 @@ class Injection(NamedTuple):
 
 ALL = ("ascend310p", "ascend910", "hip936")
 GMM = ("ascend310p", "ascend910")
+PRECONVERTED = ("ascend310p",)
 
 
 def _planar_unpack(original):
@@ -117,6 +118,37 @@ def _last_group(original):
     return lambda metas, ratio: metas[-1]              # B14: the last group's metadata for every layer
 
 
+def _preconverted_means_converted(original):
+    """B17: a global flag decides the format: in expert mode `preconverted` every routed expert not
+    served from the converted shards (the drafter's) is taken as already in the runtime format."""
+    return {**original, "preconverted": "__b17_taken_as_converted__"}
+
+
+def b17_taken_as_converted(storage, parts, cfg):
+    """The drafter's stored MXFP4 expert used as the W8A8 record it was assumed to be: buffers of the
+    runtime shapes filled with the stored bytes as they are (packed FP4 codes as int8 weights, the E8M0
+    exponent bytes read on as float32 row scales, ~1e35 each: expert outputs overflow, the field's NaN)."""
+    from lib.codecs import as_bits
+    from lib.wformats import W8A8
+    weight, scale = parts["weight"], as_bits(parts["scale"])
+    rows, cols = weight.shape[0], weight.shape[1] * 2
+    qweight = torch.zeros(rows, cols, dtype=torch.int8)
+    qweight.view(-1)[: weight.numel()] = weight.reshape(-1).view(torch.int8)
+    raw = torch.cat((scale.reshape(-1), weight.reshape(-1).view(torch.uint8)))   # the scale buffer runs on
+    return W8A8(qweight, raw[: 4 * rows].clone().view(torch.float32))
+
+
+def _mask_indexed_logprobs(original):
+    def token_logprobs(logits, token_ids, top):   # B20: the chosen token's logprob picked out by a mask
+        from lib.sampling import TokenLogprobs
+        logp = torch.log_softmax(logits.float(), -1)
+        hit = torch.arange(logp.shape[-1], device=logp.device) == token_ids.long().unsqueeze(-1)   # [R, V]
+        chosen = logp[hit]                                                  # nonzero on the device (L12)
+        top_logprobs, top_ids = logp.topk(top, dim=-1)
+        return TokenLogprobs(chosen, (logp > chosen.unsqueeze(-1)).sum(-1) + 1, top_ids, top_logprobs)
+    return token_logprobs
+
+
 CATALOGUE: dict[str, Injection] = {
     "B01": Injection("B01", "MXFP4 unpacked as all low nibbles then all high nibbles", ALL,
                      "lib.codecs:unpack_e2m1", _planar_unpack),
@@ -144,6 +176,13 @@ CATALOGUE: dict[str, Injection] = {
                      _raw_token_positions),
     "B14": Injection("B14", "every layer reads the last cache group's metadata", ALL, "lib.paged:group_of",
                      _last_group),
+    # drafter: only backends with a preconverted expert mode (profile expert_modes) have the flag
+    "B17": Injection("B17", "drafter experts taken as already converted in expert mode preconverted",
+                     PRECONVERTED, "backends.{backend}._generated.loader:EXPERT_MODES", _preconverted_means_converted,
+                     (("__b17_taken_as_converted__", "lib.inject:b17_taken_as_converted"),)),
+    # the engine's logprob assembly is shared by every backend; the guard refuses mask indexing on all
+    "B20": Injection("B20", "logprobs assembled with boolean-mask indexing", ALL,
+                     "lib.engine_emit:token_logprobs", _mask_indexed_logprobs),
 }
 
 

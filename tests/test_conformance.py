@@ -39,9 +39,16 @@ def test_clean_conformance_passes(tiny_ckpt, references, backend):
     assert report.passed, "\n" + report.table()
     names = [c.name for c in report.checks]
     assert any(n.startswith("attention csa") for n in names) and any(n.startswith("ffn learned") for n in names)
+    # the serving side ran: the engine with DSpark under the guard, and the draft block (310P in preconverted mode)
+    mode = "preconverted" if backend == "ascend310p" else "default"
+    assert {"engine: dspark == plain greedy", f"draft logits finite (expert mode {mode})"} <= set(names)
     top1 = next(c for c in report.checks if c.name.startswith("top-1 agreement"))
     qualifying = int(top1.name.split("(")[1].split("/")[0])
     assert qualifying >= 16, f"only {qualifying}/32 steps are decisive: {top1}"     # most steps qualify
+
+
+# injections only one check can see: detection must come from that check, not from a side effect
+DETECTED_BY = {"B17": "draft logits finite", "B20": "engine (dspark) under guard"}
 
 
 @pytest.mark.parametrize("backend, bug", [(b, bug) for bug, inj in CATALOGUE.items() for b in DEVICES
@@ -49,6 +56,9 @@ def test_clean_conformance_passes(tiny_ckpt, references, backend):
 def test_every_injection_is_detected(tiny_ckpt, references, backend, bug):
     report = conformance.run(backend, tiny_ckpt, steps=INJECTION_STEPS, inject=bug, reference=references(INJECTION_STEPS))
     assert not report.passed, f"{bug} went unnoticed on {backend}:\n{report.table()}"
+    if bug in DETECTED_BY:
+        failed = [c.name for c in report.checks if not c.passed]
+        assert any(n.startswith(DETECTED_BY[bug]) for n in failed), f"{bug} on {backend}:\n{report.table()}"
 
 
 def test_injections_restore_the_code_path(tiny_ckpt, references):
