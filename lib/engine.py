@@ -204,9 +204,11 @@ class _Draft(NamedTuple):
 
 
 def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int) -> None:
-    """Row j (position start + j) scores prompt token start + j + 1 (B20: gathers, no masks)."""
+    """Row j (position start + j) scores prompt token start + j + 1 (B20: gathers, no masks).
+    Positions already scored (before a preemption's recompute) are not scored twice."""
+    first = max(start, len(req.prompt_logprobs) - 1)
     end = min(start + logits.shape[0], len(req.prompt) - 1)
-    if end <= start:
+    if end <= first:
         return
-    targets = torch.tensor(req.prompt[start + 1: end + 1])
-    req.prompt_logprobs.extend(row_logprobs(logits[: end - start], targets, req.params.prompt_logprobs))
+    targets = torch.tensor(req.prompt[first + 1: end + 1])
+    req.prompt_logprobs.extend(row_logprobs(logits[first - start: end - start], targets, req.params.prompt_logprobs))

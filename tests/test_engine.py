@@ -160,9 +160,10 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(cpu_model):
     reference = [list(greedy(cpu_model, p, 24)) for p in prompts]
     engine = _engine(cpu_model, speculative="dspark", num_blocks=5)
     engine.scheduler.config = engine.scheduler.config._replace(decode_reserve_blocks=0)   # admit greedily
-    got = engine.generate(prompts, SamplingParams(max_tokens=24))
+    got = engine.generate(prompts, SamplingParams(max_tokens=24, prompt_logprobs=0))
     assert [r.output for r in got] == reference
     assert sum(r.preemptions for r in got) > 0                                # the cache really ran out
+    assert [len(r.prompt_logprobs) for r in got] == [len(p) for p in prompts]   # scored once each
     assert all(used == 0 for used, _ in engine.store.usage().values())
 
 
