@@ -44,10 +44,10 @@ def block_size(model: Model) -> int:
     return model.cfg.dspark_block_size
 
 
-def _positions_batch(positions: torch.Tensor, tokens: torch.Tensor | None = None, seq_lens=None, starts=None) -> Batch:
+def _positions_batch(positions: torch.Tensor) -> Batch:
+    """A one-sequence batch record that only carries positions (the ring-entry RoPE reads them)."""
     n = positions.shape[0]
-    tokens = torch.zeros(n, dtype=torch.int64) if tokens is None else tokens
-    return Batch(tokens, positions, tuple(seq_lens or (n,)), tuple(starts or (0,)))
+    return Batch(torch.zeros(n, dtype=torch.int64), positions, (n,), (0,))
 
 
 def context_rows(model: Model, hidden: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:

@@ -110,13 +110,11 @@ class Engine:
         if not plan:
             return outputs
         drafts = self._draft([s for s in plan if s.drafts])
-        chunks, rows, lo = [], [], 0
+        chunks = []
         for s in plan:
             req = s.request
             fed = req.tokens[req.computed: req.computed + (s.feed - s.drafts)]
             chunks.append(fed + (drafts[req.id].tokens if s.drafts else []))
-            rows.extend(range(lo, lo + s.feed))
-            lo += s.feed
         batch = make_batch(chunks, [s.request.computed for s in plan])
         result = paged_step(self.model, batch, self.store, [s.request.id for s in plan], commit=False,
                             with_hidden=self.speculative)
@@ -149,8 +147,8 @@ class Engine:
             self._commit(req, start + 1 + verdict.accepted, hidden, start)
         else:
             row = logits[-1:]
-            probs = target_probs(row, req.params)
-            tokens = [int(sample(probs, req.generator)[0])] if not req.params.greedy else [int(row[0].argmax())]
+            tokens = [int(row[0].argmax())] if req.params.greedy else \
+                [int(sample(target_probs(row, req.params), req.generator)[0])]
             self._commit(req, start + s.feed, hidden, start)
         out = emit(req, tokens, logits[: len(tokens)] if s.drafts else logits[-1:])
         if req.finished:
@@ -159,10 +157,12 @@ class Engine:
 
     def _commit(self, req: Request, length: int, hidden, start: int) -> None:
         self.store.set_length(req.id, length)
-        if hidden is not None:
-            positions = torch.arange(start, length)
-            rows = dspark.context_rows(self.model, hidden[: length - start], positions)
-            engine_cache.write_draft_rows(self.store, self.model, req.id, start, rows)
+        # Ring rows only for positions a ring can still read: [L - W, L) with L only growing, so a
+        # long prompt's earlier rows would be computed (main_proj, every stage's wkv) for nothing.
+        first = max(start, length - self.model.cfg.sliding_window)
+        if hidden is not None and first < length:
+            rows = dspark.context_rows(self.model, hidden[first - start: length - start], torch.arange(first, length))
+            engine_cache.write_draft_rows(self.store, self.model, req.id, first, rows)
         req.computed = length
         self.store.release_old(req.id)
 
