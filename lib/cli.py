@@ -187,6 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
     s.set_defaults(func=_cmd_conformance)
 
+    sub.add_parser("serve", help="OpenAI-compatible server, same as `python -m serve` (see serve --help)")
     from lib.cli_run import add_arguments
     add_arguments(sub, backend_names(), _model_path, _load_options)
     return p
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     from lib.checkpoint import CheckpointError
     from spec.yamlio import SpecError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
+        from serve.cli import main as serve_main
+        return serve_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -84,7 +84,8 @@ class Engine:
         detok = None
         if self.tokenizer is not None:
             from lib.tokenizer import DetokenizeStream
-            detok = DetokenizeStream(self.tokenizer, skip_special_tokens=True)
+            keep = self.tokenizer.markup_ids if params.keep_markup else frozenset()
+            detok = DetokenizeStream(self.tokenizer, skip_special_tokens=True, keep_ids=keep)
         req = Request(rid, list(prompt), params, make_generator(params.seed, len(self.requests)),
                       next(self._ids), stops, detok, drafted=[0] * self.gamma, accepted=[0] * self.gamma)
         if params.prompt_logprobs is not None:
@@ -99,6 +100,12 @@ class Engine:
         if req is not None and not req.finished:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request: a long-running server would otherwise keep every one."""
+        req = self.requests.get(request_id)
+        if req is not None and req.finished:
+            del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

@@ -52,7 +52,8 @@ def _done(req: Request, tokens, logprobs, text: str, reason: str, flush: bool = 
         text += tail + req.stops.flush()
     req.text += text
     req.finish_reason = reason
-    return RequestOutput(req.id, tuple(tokens), text, tuple(logprobs), True, reason)
+    prompt_logprobs = None if req.prompt_logprobs is None else tuple(req.prompt_logprobs)
+    return RequestOutput(req.id, tuple(tokens), text, tuple(logprobs), True, reason, None, prompt_logprobs)
 
 
 def finish(req: Request, reason: str) -> RequestOutput:

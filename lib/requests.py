@@ -35,6 +35,7 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None            # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    prompt_logprobs: tuple | None = None  # on the finishing output, when prompt logprobs were asked for
 
 
 @dataclass

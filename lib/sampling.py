@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None        # number of top alternatives per generated token, 0..20
     prompt_logprobs: int | None = None  # number of top alternatives per prompt token, 0..20
+    keep_markup: bool = False          # keep </think> and DSML markers in the text (chat parses them)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ class Scheduler:
         self.store = store                    # lib.paged.PagedCache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preemptions = 0                  # total since start (server metrics)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -129,4 +130,5 @@ class Scheduler:
         self.store.free(req.id)
         req.computed = 0
         req.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(req)

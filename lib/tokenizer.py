@@ -262,6 +262,10 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # Specials whose text carries structure in generated output: the server splits reasoning at
+        # </think> and parses DSML tool calls, so it asks the detokenizer to keep these.
+        self.markup_ids = frozenset(i for i in map(backend.token_to_id, (THINK_START, THINK_END, DSML))
+                                    if i is not None)
         inverse = {ch: b for b, ch in enumerate(_byte_alphabet())}
         table = [b""] * self.vocab_size
         for tok, i in backend.get_vocab(with_added_tokens=True).items():
@@ -313,14 +317,16 @@ class Tokenizer:
 class DetokenizeStream:
     """Feed ids one at a time, get text deltas; bytes of an unfinished UTF-8 char are held back."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False,
+                 keep_ids: frozenset[int] = frozenset()):
         self._tok = tokenizer
-        self._skip = skip_special_tokens
+        # ids dropped from the text: the specials, except `keep_ids` (e.g. tokenizer.markup_ids)
+        self._skip = (tokenizer.special_ids - keep_ids) if skip_special_tokens else frozenset()
         # Invalid sequences become U+FFFD (as in decode); only incomplete tails wait for more bytes.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        if self._skip and token_id in self._tok.special_ids:
+        if token_id in self._skip:
             return ""
         return self._utf8.decode(self._tok.token_bytes(token_id))
 

@@ -1,0 +1,159 @@
+"""`python -m serve` / `dsv4gen serve`: load a checkpoint, start the engine, then listen.
+
+The socket is bound only after the model is loaded and the engine built, so "connection refused"
+means "still loading" and a successful connect means the server can answer (vLLM's contract).
+With no --model it serves the embedded tiny checkpoint on this CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+BACKENDS = ("auto", "cpu", "ascend310p", "ascend910", "hip936")
+TINY_NAME = "deepseek-v4-tiny"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve", description="OpenAI-compatible DeepSeek-V4 server")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint, made on first use)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="auto: the device this machine has")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model folder)")
+    p.add_argument("--max-model-len", type=int, help="context limit, prompt + output (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: max-num-seqs full contexts)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond max-num-seqs before new ones get 503 + Retry-After")
+    p.add_argument("--speculative", choices=["dspark", "none"], help="default: dspark where the checkpoint has it")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+    p.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"],
+                   help="how routed experts are held (ascend310p)")
+    p.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def detect_backend() -> str:
+    """The backend for the accelerator this process can see; cpu when there is none."""
+    import importlib
+    try:
+        importlib.import_module("torch_npu")        # registers torch.npu (Ascend machines only)
+        import torch
+        if torch.npu.is_available():
+            return "ascend310p" if "310P" in torch.npu.get_device_name(0) else "ascend910"
+    except ImportError:
+        pass
+    import torch
+    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
+        return "hip936"
+    return "cpu"
+
+
+class Prepared(NamedTuple):
+    app: object
+    context: object
+    sock: socket.socket
+    url: str
+
+
+def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
+    """Load, build the engine and the app, bind the socket (not yet accepting). Progress goes to `out`
+    (default: stderr)."""
+    from lib.engine import Engine, EngineConfig
+    from lib.params import LoadOptions
+    from lib.runtime import load_model
+    from lib.tokenizer import Tokenizer
+    from serve.app import build_app
+    from serve.async_engine import AsyncEngine
+    from serve.context import ServerContext, generation_defaults
+    from serve.metrics import ServerMetrics
+
+    args = parser().parse_args(argv)
+    out = out or sys.stderr
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "max_request_bytes"):
+        if getattr(args, flag) < (0 if flag == "max_queued_requests" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.model:
+        path, name = Path(args.model), args.served_model_name or Path(args.model).resolve().name
+    else:
+        from lib.tiny import embedded_tiny
+        print("using the embedded tiny checkpoint (made on first use)", file=out)
+        path, name = embedded_tiny(), args.served_model_name or TINY_NAME
+    backend = detect_backend() if args.backend == "auto" else args.backend
+    print(f"loading {path} for backend {backend}", file=out)
+    model = load_model(path, backend=backend, progress=True,
+                       options=LoadOptions(expert_mode=args.expert_mode, preconverted=args.preconverted))
+    tokenizer = Tokenizer.from_dir(path)
+    engine = Engine(model, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
+                                        args.num_blocks, args.speculative or "auto"), tokenizer=tokenizer)
+    metrics = ServerMetrics(name)
+    bridge = AsyncEngine(engine, max_queued=args.max_queued_requests, on_output=metrics.on_output,
+                         on_abort=metrics.on_abort, on_step=metrics.on_step)
+    metrics.attach(bridge)
+    ctx = ServerContext(bridge, tokenizer, metrics, name, engine.max_model_len, model.cfg.vocab_size,
+                        generation_defaults(path), api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    print(f"engine ready: {name}, max_model_len {engine.max_model_len}, max_num_seqs {args.max_num_seqs}, "
+          f"speculative {'dspark' if engine.speculative else 'none'}", file=out)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return Prepared(build_app(ctx), ctx, sock, f"http://{shown}:{port}")
+
+
+def server_for(prepared: Prepared, log_level: str = "warning", announce=None):
+    """A uvicorn Server on the prepared socket; `announce(url)` runs once it accepts connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if announce is not None and not self.should_exit:
+                announce(prepared.url)
+
+    return Server(uvicorn.Config(prepared.app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lib.checkpoint import CheckpointError
+    from spec.yamlio import SpecError
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        prepared = prepare(argv)
+    except (SpecError, CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"serve: error: {err}", file=sys.stderr)
+        return 2
+
+    def announce(url: str) -> None:
+        print(f"listening on {url}  (OpenAI API at {url}/v1)", flush=True)
+
+    server = server_for(prepared, args.log_level, announce)
+    server.run(sockets=[prepared.sock])
+    return 0
+
+
+def run_in_thread(prepared: Prepared) -> tuple[object, threading.Thread]:
+    """Serve from a background thread (tests, benchmarks): returns once it accepts connections."""
+    ready = threading.Event()
+    server = server_for(prepared, announce=lambda url: ready.set())
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [prepared.sock]}, daemon=True)
+    thread.start()
+    if not ready.wait(120):
+        raise RuntimeError("the server did not start within 120 s")
+    return server, thread
