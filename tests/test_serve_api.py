@@ -46,14 +46,34 @@ def test_greedy_chat_is_the_same_with_and_without_dspark_and_equals_dsv4gen_run(
     from_cli = capsys.readouterr().out.removesuffix("\n")
     results = []
     for server in (dspark, plain):
-        whole = _chat(server, prompt)
-        streamed, chunks, usage = _chat_stream(server, prompt)
+        whole = _chat(server, prompt, logprobs=True, top_logprobs=1)
+        streamed, chunks, usage = _chat_stream(server, prompt, logprobs=True, top_logprobs=1)
         assert whole.choices[0].message.content == streamed
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert all("\ufffd" not in d for d in deltas) or "\ufffd" in streamed    # no split UTF-8 characters
         assert usage.completion_tokens == whole.usage.completion_tokens <= MAX_TOKENS
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-        results.append((streamed, whole.usage.completion_tokens, whole.choices[0].finish_reason))
-    assert results[0] == results[1]
+        entries = whole.choices[0].logprobs.content
+        streamed_entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.token for e in entries] == [e.token for e in streamed_entries]
+        assert len(entries) == usage.completion_tokens       # one record per emitted token, none for drafts
+        results.append((streamed, whole.choices[0].finish_reason, [e.token for e in entries],
+                        [e.logprob for e in entries]))
+    assert results[0][:3] == results[1][:3]
+    assert results[0][3] == pytest.approx(results[1][3], abs=1e-4)   # verified rows vs single-token rows
     assert results[0][0] == from_cli
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(dspark, plain):
+    full = _chat(plain, PROMPTS[1]).choices[0].message.content
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    expected = full[: full.index(stop)]
+    for server in (dspark, plain):
+        whole = _chat(server, PROMPTS[1], stop=[stop])
+        streamed, _, _ = _chat_stream(server, PROMPTS[1], stop=stop)
+        assert whole.choices[0].message.content == streamed == expected
+        assert whole.choices[0].finish_reason == "stop"
 
 
 def test_greedy_completions_match_dsv4gen_run_raw(dspark, plain, tiny_ckpt, capsys):
