@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from lib.shard import TPSlice
 from spec.config import ModelConfig, load_config_json
 from spec.tables import Logical, Stored, expand, load_quant
 from spec.yamlio import SpecError
@@ -120,6 +121,7 @@ class Checkpoint:
         if problems:
             raise CheckpointError("\n".join(problems))
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0          # tensor bytes copied out of the shards so far (TP/EP loads read less)
 
     def _problems(self, weight_map: dict[str, str]) -> list[str]:
         out = []
@@ -137,18 +139,24 @@ class Checkpoint:
             out.append(f"{weight_map[key]}: {key}: unexpected tensor (not in the spec's tensor table for this config)")
         return out
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The stored tensor, or only `index` of it: a TP rank reads its slice through safetensors'
+        `get_slice`, so the bytes of other ranks' slices are never copied out of the file."""
         entry = self.headers[key]
         handle = self._handles.get(entry.shard)
         if handle is None:
             handle = self._handles[entry.shard] = safe_open(str(self.root / entry.shard), framework="pt")
-        return handle.get_tensor(key)
+        value = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        self.bytes_read += value.numel() * value.element_size()
+        return value
 
-    def read_parts(self, logical: Logical, ledger: "LoadLedger | None" = None) -> dict[str, torch.Tensor]:
-        """The stored parts of one logical tensor by role (`data` or `weight` + `scale`)."""
+    def read_parts(self, logical: Logical, ledger: "LoadLedger | None" = None,
+                   index: dict[str, TPSlice] | None = None) -> dict[str, torch.Tensor]:
+        """The stored parts of one logical tensor by role (`data` or `weight` + `scale`); with `index`
+        (lib.shard.part_index: role -> TPSlice) only those slices."""
         if ledger is not None:
             ledger.mark(logical)
-        return {p.role: self.read(p.key) for p in logical.parts}
+        return {p.role: self.read(p.key, None if index is None else index[p.role].index()) for p in logical.parts}
 
     def total_bytes(self) -> int:
         return sum(e.end - e.begin for e in self.headers.values())
@@ -164,11 +172,17 @@ class LoadLedger:
     def mark(self, logical: Logical) -> None:
         self.counts[logical.key] += 1
 
-    def check(self, allowed_unread: set[str] | frozenset[str] = frozenset()) -> None:
-        never = sorted(self.expected - set(self.counts) - set(allowed_unread))
+    def check(self, allowed_unread: set[str] | frozenset[str] = frozenset(),
+              other_ranks: set[str] | frozenset[str] = frozenset()) -> None:
+        """Every expected tensor read once, except `allowed_unread` (may be unread) and `other_ranks`
+        (another EP rank's experts: must be unread, or this rank holds experts it does not run)."""
+        skip = set(allowed_unread) | set(other_ranks)
+        never = sorted(self.expected - set(self.counts) - skip)
         twice = sorted(k for k, c in self.counts.items() if c > 1)
-        if never or twice:
-            lines = [f"{k}: never loaded" for k in never[:20]] + [f"{k}: loaded {self.counts[k]} times" for k in twice[:20]]
+        stray = sorted(set(self.counts) & set(other_ranks))
+        if never or twice or stray:
+            lines = ([f"{k}: never loaded" for k in never[:20]] + [f"{k}: loaded {self.counts[k]} times" for k in twice[:20]]
+                     + [f"{k}: loaded, but another EP rank holds it" for k in stray[:20]])
             raise CheckpointError("loader did not read every spec tensor exactly once:\n" + "\n".join(lines))
 
 

@@ -90,6 +90,12 @@ def _cmd_conformance(args) -> int:
         return 0
     if args.backend is None:
         raise ValueError("--backend is required (accepted: ascend310p, ascend910, hip936)")
+    needs = CATALOGUE[args.inject].min_tp if args.inject in CATALOGUE else 1
+    if args.tp < needs:
+        raise ValueError(f"{args.inject} shows only on TP ranks past 0: add --tensor-parallel-size {needs} "
+                         "(or more) so conformance runs the ranks in their own processes")
+    if max(args.tp, args.ep) > 1:
+        return _parallel_conformance(args)
     report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
                              expert_mode=args.expert_mode, ep_sim=args.ep_sim)
     print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
@@ -100,6 +106,26 @@ def _cmd_conformance(args) -> int:
     failed = [c.name for c in report.checks if not c.passed]
     print(f"{args.inject} detected by: {', '.join(failed)}" if failed else f"{args.inject} went UNNOTICED")
     return 0 if failed else 1
+
+
+def _parallel_conformance(args) -> int:
+    """TP / EP ranks in their own processes must decode exactly like one process."""
+    from lib import parallel_check
+    from spec.profile import load_profile
+
+    dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
+    print(f"conformance of backend {args.backend} on TP={args.tp} EP={args.ep} ({dispatch})"
+          + (f" with injected {args.inject}" if args.inject else ""))
+    results = parallel_check.check(_model_path(args), args.backend, args.tp, args.ep, dispatch, steps=args.steps,
+                                   options=_load_options(args), inject=args.inject)
+    for r in results:
+        print(r.line())
+    differ = [r for r in results if r.first_difference is not None]
+    if args.inject is None:
+        print("FAIL" if differ else "PASS")
+        return 1 if differ else 0
+    print(f"{args.inject} detected by: TP/EP greedy agreement" if differ else f"{args.inject} went UNNOTICED")
+    return 0 if differ else 1
 
 
 def _cmd_diff(args) -> int:
@@ -114,22 +140,6 @@ def _cmd_diff(args) -> int:
             raise ValueError("diff needs --backend A --against B (or --spec OLD --against NEW --backend X)")
         sys.stdout.write(backend_diff(args.backend, args.against))
     return 0
-
-
-def _cmd_plan(args) -> int:
-    from lib.launches import decode_launches, format_report
-
-    if not args.ops:
-        raise ValueError("only `dsv4gen plan --ops` (launches per decode step) exists so far; the memory and "
-                         "speed planner is not built yet")
-    for backend in (backend_names_all() if args.backend == "all" else [args.backend]):
-        print(format_report(decode_launches(backend, Path(args.model) if args.model else None)))
-    return 0
-
-
-def backend_names_all() -> list[str]:
-    from spec.profile import backend_names
-    return backend_names()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,17 +169,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="convert routed experts once for a backend's preconverted expert mode")
     s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
     s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
-    s.add_argument("--tp", type=int, default=1)
-    s.add_argument("--ep", type=int, default=1)
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size it is loaded with (checked and recorded; experts are not TP-split)")
+    s.add_argument("--ep", type=int, default=1, help="expert-parallel size: one file of routed experts per EP rank")
     s.add_argument("--out", help="output folder (default: <model>/converted-<backend>-tp<T>-ep<E>)")
     s.add_argument("--force", action="store_true", help="replace an existing output folder")
     s.set_defaults(func=_cmd_convert)
 
-    s = sub.add_parser("plan", help="launches and host syncs per decode step (--ops) on the real layer schedule")
-    s.add_argument("--backend", default="all", choices=["all", *backend_names()])
-    s.add_argument("--ops", action="store_true", help="count kernel launches and host syncs of one decode step")
-    s.add_argument("--model", help="checkpoint to count on (default: Flash-0731's schedule with shrunken widths)")
-    s.set_defaults(func=_cmd_plan)
+    from lib.cli_plan import add_parser as add_plan
+    add_plan(sub, backend_names())
 
     s = sub.add_parser("diff", help="review two backends' lowerings, or what a spec edit changes in one")
     s.add_argument("--backend", choices=backend_names())
@@ -185,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps")
     s.add_argument("--ep-sim", type=int, default=2, help="expert-parallel ranks simulated in one process")
     s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
+    s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
+    from lib.cli_run import add_parallel_arguments
+    add_parallel_arguments(s)
     s.set_defaults(func=_cmd_conformance)
 
     sub.add_parser("serve", help="OpenAI-compatible server, same as `python -m serve` (see serve --help)")

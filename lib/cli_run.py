@@ -29,23 +29,49 @@ def add_arguments(sub, backend_names: list[str], model_path, load_options) -> No
             s.add_argument("--top-k", type=int, default=0)
             s.add_argument("--seed", type=int, help="sampling seed (reproducible output at temperature > 0)")
             s.add_argument("--stats", action="store_true", help="print drafted / accepted counts per draft position")
+            add_parallel_arguments(s)
         else:
             s.add_argument("--ids", required=True, help="comma-separated token ids")
             s.add_argument("--out", required=True, help="output .npy file")
         s.set_defaults(func=func, model_path=model_path, load_options=load_options)
 
 
+def add_parallel_arguments(s) -> None:
+    """The TP / EP flags `run`, `conformance` and `python -m serve` share (vLLM's names)."""
+    s.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp",
+                   help="tensor-parallel ranks (one process each; heads, groups and vocab are split)")
+    s.add_argument("--expert-parallel-size", "--ep", type=int, default=1, dest="ep",
+                   help="expert-parallel ranks (routed experts split by index)")
+    s.add_argument("--ep-dispatch", choices=["allgather", "alltoall"],
+                   help="EP token exchange (default: the backend profile's)")
+
+
+def launch_spec(args, path, engine_config):
+    from lib.launch import LaunchSpec
+    from spec.profile import load_profile
+
+    dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
+    return LaunchSpec(Path(path), args.backend, args.load_options(args), engine_config, args.tp, args.ep, dispatch)
+
+
 def cmd_run(args) -> int:
     from lib.chat import encode_messages
-    from lib.engine import Engine, EngineConfig
-    from lib.runtime import load_model
+    from lib.engine import EngineConfig
+    from lib.launch import ReplicatedEngine, launch
     from lib.sampling import SamplingParams
     from lib.tokenizer import Tokenizer
 
     path = args.model_path(args)
     tok = Tokenizer.from_dir(path)
-    model = load_model(path, backend=args.backend, progress=True, options=args.load_options(args))
-    engine = Engine(model, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto"), tokenizer=tok)
+    engine = launch(launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto")))
+    try:
+        return _generate(args, engine, tok, encode_messages, SamplingParams)
+    finally:
+        if isinstance(engine, ReplicatedEngine):
+            engine.close()
+
+
+def _generate(args, engine, tok, encode_messages, SamplingParams) -> int:
     text = args.prompt if args.raw else encode_messages([{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

@@ -21,6 +21,7 @@ class Injection(NamedTuple):
     target: str                      # "module:attribute" replaced while active ({backend} expands)
     make: Callable                   # original value -> broken value
     converters: tuple[tuple[str, str], ...] = ()   # extra (runtime format, converter) the broken value needs
+    min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
 
 
 ALL = ("ascend310p", "ascend910", "hip936")
@@ -53,6 +54,20 @@ def _value_converted_e8m0(original):
         b = bits.view(torch.uint8).float().clamp_min(1)
         return torch.exp2(torch.round(torch.log2(b)))
     return decode
+
+
+def _unsliced_tp_scales(original):
+    """B05: the weight of a row-parallel linear (tp: cols, wo_b) is sliced for TP but its scale is not.
+    The field's full scale (32, 64) met a rank's (32, 8) buffer and tripped a load assert; the silent
+    form of the same bug copies the full scale into that buffer from its start, so every rank gets
+    rank 0's scale blocks. That form loads on every backend and is wrong only in the numbers."""
+    def part_index(logical, cfg, tp_size, tp_rank):
+        index = original(logical, cfg, tp_size, tp_rank)
+        if index is None or logical.entry.tp != "cols" or "scale" not in index:
+            return index
+        scale = index["scale"]
+        return {**index, "scale": scale._replace(start=0, stop=scale.stop - scale.start)}
+    return part_index
 
 
 def _uninitialised_head(original):
@@ -156,6 +171,9 @@ CATALOGUE: dict[str, Injection] = {
     "B03": Injection("B03", "requantisation scale inverted", ALL, "lib.wformats:quantize_rows", _inverted_requant),
     "B04": Injection("B04", "E8M0 scale bytes value-converted on copy", ALL, "lib.codecs:e8m0_decode",
                      _value_converted_e8m0),
+    # TP slicing is shared loader code: every backend that decodes an FP8 scale reads it
+    "B05": Injection("B05", "scales of row-parallel linears not sliced for TP (rank 0's scales on every rank)",
+                     ALL + ("cpu",), "lib.shard:part_index", _unsliced_tp_scales, min_tp=2),
     "B06": Injection("B06", "LM head treated as FP8 with an uninitialised scale", ALL,
                      "backends.{backend}._generated.loader:RUNTIME_FORMATS", _uninitialised_head,
                      (("__b06_fp8_head__", "lib.inject:b06_fp8_head"),)),

@@ -1,25 +1,34 @@
-"""`dsv4gen plan --ops`: kernel launches and host syncs of one decode step, per layer kind.
+"""`dsv4gen plan --ops`: kernel launches and host syncs of one decode step, per layer kind, and of
+one DSpark round (target verify over the block, drafter ring rows, draft block).
 
 Launch count is what bounds a real NPU (one 910C stack spends 85% of a step on ~2,900 launches),
 and it depends on the layer schedule and expert fan-out, not on widths. So this runs the real
 DeepSeek-V4-Flash schedule (43 layers, 256 experts, top-6) with shrunken widths, through the same
-checkpoint format, loader and generated code as any model, under the capability guard.
+checkpoint format, loader and generated code as any model, under the capability guard. Counting
+takes minutes (loading 36k tensors), so `--record` keeps the counts in data/decode-launches.json
+for the speed planner (lib/plan_speed.py); tests/test_launches.py fails when they go stale.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import importlib
+import json
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from lib.batch import make_batch
 from lib.guard import CapabilityGuard, rules_from_profile
 from lib.runtime import load_model, step
 from lib.tiny import cache_root, make_tiny
 from spec.profile import load_profile
-from spec.schedule import backbone
+from spec.schedule import backbone, drafter_kind
+from spec.tables import SPEC_DIR
 from spec.variants import variant_config
+
+RECORD = SPEC_DIR.parent / "data" / "decode-launches.json"
 
 # flash-0731's schedule and expert counts with every width shrunk (launches do not depend on widths)
 SHRUNK = {
@@ -43,6 +52,10 @@ class LaunchReport(NamedTuple):
     outside: int       # launches outside the blocks (embedding, hc_head, norm, head)
     total: int
     syncs: int
+    # one DSpark round besides the decode step: "verify" (target forward over anchor + block),
+    # "context" (drafter ring rows of committed positions), "draft" (the drafter's block); None
+    # for a checkpoint without a DSpark drafter
+    dspark: dict[str, int] | None = None
 
 
 def shrunk_flash() -> Path:
@@ -71,14 +84,31 @@ def _per_block_sections(module, guard: CapabilityGuard):
         module.block = original
 
 
+def _greedy(logits, k):
+    return logits.argmax(-1), None
+
+
 def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
+    from lib.dspark import block_size, context_rows, propose
+
     path = path or shrunk_flash()
     model = load_model(path, backend, progress=True)
-    _, caches = step(model, make_batch([list(range(20, 20 + PREFILL))]), [model.new_cache()])
+    spark = drafter_kind(model.cfg) == "dspark"
+    _, caches, hidden = step(model, make_batch([list(range(20, 20 + PREFILL))]), [model.new_cache()], with_hidden=True)
+    rings = context_rows(model, hidden, torch.arange(PREFILL)) if spark else None
     guard = CapabilityGuard(rules_from_profile(load_profile(backend)), mode="count")
     module = importlib.import_module(f"backends.{backend}._generated.model")
-    with guard, _per_block_sections(module, guard), guard.section("decode"):
-        step(model, make_batch([[7]], [PREFILL], last_only=True), caches)
+    with guard:
+        with _per_block_sections(module, guard), guard.section("decode"):
+            step(model, make_batch([[7]], [PREFILL], last_only=True), caches)
+        if spark:
+            block = [7] + [model.cfg.dspark_noise_token_id] * block_size(model)   # anchor + drafts, as verified
+            with guard.section("verify"):
+                _, _, hid = step(model, make_batch([block], [PREFILL]), caches, with_hidden=True)
+            with guard.section("context"):
+                context_rows(model, hid[:1], torch.tensor([PREFILL]))
+            with guard.section("draft"):
+                propose(model, [7], [PREFILL], [rings], _greedy)
     report = guard.report()
     layers: dict[str, int] = {}
     for layer in backbone(model.cfg):
@@ -89,7 +119,13 @@ def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
         counts = report.sections[f"decode/{kind}"]
         rows.append(KindRow(kind, n, counts.ops // n, counts.syncs // n))
     outside = report.sections["decode"].ops
-    return LaunchReport(backend, tuple(rows), outside, report.total.ops, report.total.syncs)
+    decode = sum(c.ops for name, c in report.sections.items() if name.split("/")[0] == "decode")
+    syncs = sum(c.syncs for name, c in report.sections.items() if name.split("/")[0] == "decode")
+    dspark = None
+    if spark:
+        dspark = {part: sum(c.ops for name, c in report.sections.items() if name.split("/")[0] == part)
+                  for part in ("verify", "context", "draft")}
+    return LaunchReport(backend, tuple(rows), outside, decode, syncs, dspark)
 
 
 def format_report(r: LaunchReport) -> str:
@@ -97,4 +133,36 @@ def format_report(r: LaunchReport) -> str:
              f"top-6; widths shrunk)", f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
     lines += [f"  {row.kind:<18} {row.layers:>6} {row.launches:>15} {row.syncs:>12}" for row in r.rows]
     lines += [f"  {'outside blocks':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}"]
+    if r.dspark:
+        lines.append(f"  DSpark round: verify {r.dspark['verify']} + drafter ring rows {r.dspark['context']} + "
+                     f"draft block {r.dspark['draft']} launches")
     return "\n".join(lines)
+
+
+def as_record(r: LaunchReport) -> dict:
+    return {"decode": r.total, "host_syncs": r.syncs, "outside_blocks": r.outside,
+            "per_layer_kind": {row.kind: {"layers": row.layers, "launches": row.launches} for row in r.rows},
+            "dspark_round": r.dspark}
+
+
+def record(reports: list[LaunchReport], path: Path = RECORD) -> Path:
+    """Merge these backends' counts into the record (atomically: a half-written record never loads)."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    data["doc"] = ("Kernel launches of one decode step and one DSpark round on the DeepSeek-V4-Flash-0731 schedule "
+                   "with shrunk widths (lib/launches.py), per backend. Written by `dsv4gen plan --ops --record`; "
+                   "read by `dsv4gen plan` (lib/plan_speed.py); tests/test_launches.py checks it is fresh.")
+    data.setdefault("backends", {}).update({r.backend: as_record(r) for r in reports})
+    data["backends"] = dict(sorted(data["backends"].items()))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def recorded(backend: str, path: Path = RECORD) -> dict:
+    """The recorded counts of `backend` (`dsv4gen plan --ops --record` writes them)."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"backends": {}}
+    if backend not in data["backends"]:
+        raise ValueError(f"{path}: no recorded launch counts for backend {backend}; run "
+                         f"`dsv4gen plan --ops --backend {backend} --record` (counting takes minutes)")
+    return data["backends"][backend]

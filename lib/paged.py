@@ -335,6 +335,11 @@ class PagedCache:
         """Group -> (used blocks, total blocks)."""
         return {g.name: (self._alloc[g.name].used, g.num_blocks) for g in self.groups}
 
+    def row_bytes(self) -> dict[str, tuple[str, int]]:
+        """Pool kind -> (its group, bytes one position or entry takes in it): what `dsv4gen plan`
+        sizes caches with, so the planner and the engine share one layout."""
+        return {kind: (p.group, p.rows.shape[1] * p.rows.element_size()) for kind, p in self._pools.items()}
+
     def bytes_per_block(self) -> dict[str, int]:
         """Group -> bytes one physical block takes over all its pools."""
         return {g.name: sum(self.block_tokens * p.rows.shape[1] * p.rows.element_size()

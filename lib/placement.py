@@ -17,6 +17,8 @@ class ExpertPlacement(NamedTuple):
     ep_size: int
     ranks: tuple[int, ...]     # EP ranks this process runs: its own, or all of them when simulating EP
     local_of: torch.Tensor     # [ep_size, E] int32 global expert -> local slot on each rank (n_local = dummy)
+    group: object = None       # torch.distributed EP group when the ranks are processes (lib/ep.py)
+    dispatch: str = "allgather"  # token exchange over `group`: "allgather" | "alltoall"
 
     @property
     def n_local(self) -> int:
@@ -44,8 +46,10 @@ def expert_placement(n_experts: int, ep_size: int = 1, rank: int = 0, simulate: 
 
 
 def placement_for_block(cfg, layer, options) -> ExpertPlacement:
-    """tensors.yaml `derived` builder: the placement of this process's EP rank (from load options)."""
-    return expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
+    """tensors.yaml `derived` builder: the placement of this process's EP rank. Under real EP the
+    options carry the rank read from the live process group at load time (lib.parallel.live, B11)."""
+    placement = expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
+    return placement._replace(group=options.ep_group, dispatch=options.ep_dispatch)
 
 
 def rank_experts(record, placement: ExpertPlacement, rank: int):

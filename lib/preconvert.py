@@ -19,7 +19,9 @@ from tqdm import tqdm
 from lib.checkpoint import Checkpoint
 from lib.ckpt_write import publish_dir
 from lib.formats import resolve
+from lib.parallel import check_sizes
 from lib.placement import expert_placement
+from lib.shard import check_tp
 from spec.profile import load_profile, load_runtime_formats
 
 MARKER = "dsv4gen-converted.json"
@@ -44,10 +46,12 @@ def default_dir(src: Path | str, backend: str, tp: int, ep: int) -> Path:
 
 def convert(src: Path | str, backend: str, out: Path | str | None = None, tp: int = 1, ep: int = 1,
             overwrite: bool = False, progress: bool = False) -> Path:
-    """Write the target's routed experts of `src`, converted for `backend`, one file per EP rank."""
-    if tp != 1:
-        raise ValueError("tensor-parallel conversion (--tp > 1) needs tensor-parallel sharding, which is not "
-                         "built yet; convert with --tp 1")
+    """Write the target's routed experts of `src`, converted for `backend`, one file per EP rank.
+
+    Routed experts are never TP-sliced (tensors.yaml `tp: experts`), so the files depend on EP only:
+    of a world of max(TP, EP) ranks, each reads the file of its EP rank. TP is checked (the
+    checkpoint must split that many ways, lib/shard.py) and recorded, so a load with another TP
+    size is refused rather than run on a conversion made for a different deployment."""
     profile = load_profile(backend)
     fmt = profile.expert_modes.get("preconverted")
     if fmt is None:
@@ -55,6 +59,8 @@ def convert(src: Path | str, backend: str, out: Path | str | None = None, tp: in
                          f"{', '.join(profile.expert_modes) or 'none'})")
     converter = resolve(load_runtime_formats().formats[fmt].convert)
     ckpt = Checkpoint(src)
+    check_sizes(ckpt.config, tp, ep)                # the deployment rule: TP and EP each 1 or max(TP, EP)
+    check_tp(ckpt.config, ckpt.logical, tp, 0)      # every TP-split tensor (and its scale) splits on blocks
     placement = expert_placement(ckpt.config.n_routed_experts, ep, 0)
     per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(ep)]
     # target experts only: the drafter's are read from the source in their stored format (B17)
@@ -100,7 +106,8 @@ class PreconvertedExperts:
         self._handles: dict[int, object] = {}
 
     def read(self, key: str, expert: int, n_local: int):
-        """The converted value of one expert's logical tensor (from its EP rank's file)."""
+        """The converted value of one expert's logical tensor, from its EP rank's file: a process
+        running one EP rank opens only its own file."""
         from lib.wformats import FORMAT_RECORDS
 
         rank = expert // n_local

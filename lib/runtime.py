@@ -15,17 +15,18 @@ import torch
 
 from lib.batch import Batch
 from lib.checkpoint import Checkpoint
+from lib.parallel import SINGLE, Parallel, check_sizes
 from lib.params import LoadOptions
 from lib.rope import rope_tables
 from lib.state import LayerCache, SeqCache, empty_compressor
-from spec.config import ModelConfig
+from spec.config import ModelConfig, RankConfig
 from spec.profile import load_profile
 from spec.schedule import backbone
 
 
 class Model(NamedTuple):
     backend: str
-    cfg: ModelConfig
+    cfg: RankConfig                  # the model's config plus this rank's place in TP / EP
     params: Any                      # lib.params.Params
     rope: dict[str, torch.Tensor]    # RoPE frequency tables by name
     forward: Any                     # the backend's generated `forward`
@@ -43,13 +44,22 @@ def backend_module(backend: str, name: str):
 
 
 def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
-               options: LoadOptions = LoadOptions()) -> Model:
+               options: LoadOptions = LoadOptions(), parallel: Parallel = SINGLE) -> Model:
+    """Load for one rank: `parallel` (from lib.parallel.live, after the process group exists: L17)
+    decides which slice of every TP-split tensor and which routed experts this process reads."""
     options = options._replace(backend=backend)
     ckpt = Checkpoint(path)
+    if parallel.world > 1:
+        check_sizes(ckpt.config, parallel.tp_size, parallel.ep_size)
+        options = options._replace(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
+                                   ep_rank=parallel.ep_rank, ep_simulate=False, ep_group=parallel.ep_group,
+                                   ep_dispatch=parallel.ep_dispatch)
+    cfg = RankConfig.of(ckpt.config, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
+                        ep_rank=parallel.ep_rank, tp_group=parallel.tp_group, ep_group=parallel.ep_group)
     params = backend_module(backend, "loader").load(ckpt, progress=progress, options=options)
     module = backend_module(backend, "model")
     dtype = getattr(torch, load_profile(backend).compute_dtype)
-    return Model(backend, ckpt.config, params, rope_tables(ckpt.config), module.forward, Path(path), dtype, module)
+    return Model(backend, cfg, params, rope_tables(ckpt.config), module.forward, Path(path), dtype, module)
 
 
 def new_cache(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:

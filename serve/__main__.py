@@ -3,4 +3,5 @@ import sys
 
 from serve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":      # worker ranks (spawn) re-import this module: they must not serve
+    sys.exit(main())

@@ -93,6 +93,20 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        close = getattr(self.engine, "close", None)      # worker ranks of a TP / EP engine
+        if close is not None and not self._thread.is_alive():
+            try:
+                close()
+            except Exception as err:                     # the group may already be broken: workers are killed
+                log.warning("closing the worker ranks: %s", err)
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on (a worker rank died): refuse and end everything now. Any thread."""
+        if self.dead:
+            return
+        self.dead = reason
+        log.error("engine failed: %s; the server is now unhealthy", reason)
+        self._loop.call_soon_threadsafe(self._fail_all, EngineDead(f"the engine failed: {reason}"))
 
     @property
     def in_flight(self) -> int:
@@ -168,11 +182,21 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step(self.snapshot.running)
         except BaseException as err:                # the engine is unusable: say so everywhere
-            self.dead = f"{type(err).__name__}: {err}"
+            self.dead = self.dead or self._worker_death() or f"{type(err).__name__}: {err}"
             log.error("engine step failed; the server is now unhealthy\n%s", traceback.format_exc())
             self._publish()
             self._loop.call_soon_threadsafe(self._fail_all, EngineDead(f"the engine failed: {self.dead}"))
             self._drain(refuse=True)
+
+    def _worker_death(self) -> str | None:
+        """A failed collective usually means a rank died: name it (its exit shows within a second)."""
+        dead_worker = getattr(self.engine, "dead_worker", None)
+        for _ in range(10 if dead_worker else 0):
+            reason = dead_worker()
+            if reason:
+                return reason
+            time.sleep(0.1)
+        return None
 
     def _drain(self, refuse: bool = False) -> None:
         while True:

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+from lib.cli_run import add_parallel_arguments, launch_spec
+
 BACKENDS = ("auto", "cpu", "ascend310p", "ascend910", "hip936")
 TINY_NAME = "deepseek-v4-tiny"
 
@@ -37,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how routed experts are held (ascend310p)")
     p.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    add_parallel_arguments(p)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -67,9 +70,9 @@ class Prepared(NamedTuple):
 def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     """Load, build the engine and the app, bind the socket (not yet accepting). Progress goes to `out`
     (default: stderr)."""
-    from lib.engine import Engine, EngineConfig
+    from lib.engine import EngineConfig
+    from lib.launch import launch, watch
     from lib.params import LoadOptions
-    from lib.runtime import load_model
     from lib.tokenizer import Tokenizer
     from serve.app import build_app
     from serve.async_engine import AsyncEngine
@@ -87,18 +90,21 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
         from lib.tiny import embedded_tiny
         print("using the embedded tiny checkpoint (made on first use)", file=out)
         path, name = embedded_tiny(), args.served_model_name or TINY_NAME
-    backend = detect_backend() if args.backend == "auto" else args.backend
-    print(f"loading {path} for backend {backend}", file=out)
-    model = load_model(path, backend=backend, progress=True,
-                       options=LoadOptions(expert_mode=args.expert_mode, preconverted=args.preconverted))
+    args.backend = detect_backend() if args.backend == "auto" else args.backend
+    ranks = max(args.tp, args.ep)
+    print(f"loading {path} for backend {args.backend}" + (f" on {ranks} ranks (TP={args.tp}, EP={args.ep})"
+                                                          if ranks > 1 else ""), file=out)
+    args.load_options = lambda a: LoadOptions(expert_mode=a.expert_mode, preconverted=a.preconverted)
+    config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.num_blocks,
+                          args.speculative or "auto")
+    engine = launch(launch_spec(args, path, config))
     tokenizer = Tokenizer.from_dir(path)
-    engine = Engine(model, EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
-                                        args.num_blocks, args.speculative or "auto"), tokenizer=tokenizer)
     metrics = ServerMetrics(name)
     bridge = AsyncEngine(engine, max_queued=args.max_queued_requests, on_output=metrics.on_output,
                          on_abort=metrics.on_abort, on_step=metrics.on_step)
+    watch(engine, bridge.fail)                    # a dead worker turns /health 503 within a second
     metrics.attach(bridge)
-    ctx = ServerContext(bridge, tokenizer, metrics, name, engine.max_model_len, model.cfg.vocab_size,
+    ctx = ServerContext(bridge, tokenizer, metrics, name, engine.max_model_len, engine.model.cfg.vocab_size,
                         generation_defaults(path), api_key=args.api_key, max_body_bytes=args.max_request_bytes)
     print(f"engine ready: {name}, max_model_len {engine.max_model_len}, max_num_seqs {args.max_num_seqs}, "
           f"speculative {'dspark' if engine.speculative else 'none'}", file=out)

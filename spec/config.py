@@ -90,6 +90,25 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 CONFIG_KEYS = frozenset(f.name for f in msgspec.structs.fields(ModelConfig))
 
+
+class RankConfig(ModelConfig, frozen=True, kw_only=True):
+    """The config one tensor/expert-parallel rank's generated code reads: every model key, plus where
+    this rank sits. Graph attrs read `cfg.tp_size` (local head and group counts) and pass
+    `cfg.tp_group` to the collectives; with the defaults it is a single process."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    tp_group: object = None       # torch.distributed ProcessGroup (None: no communication)
+    ep_group: object = None
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, **rank) -> "RankConfig":
+        return cls(**{f: getattr(cfg, f) for f in CONFIG_KEYS}, **rank)
+
+
+RANK_KEYS = frozenset(f.name for f in msgspec.structs.fields(RankConfig)) - CONFIG_KEYS
+
 # Keys that Hugging Face tooling writes into config.json and that carry no model semantics.
 IGNORED_CHECKPOINT_KEYS = frozenset({
     "transformers_version", "auto_map", "use_cache", "initializer_range", "attention_dropout",

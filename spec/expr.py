@@ -41,6 +41,13 @@ def names(text: str | int) -> set[str]:
     return {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name) and n.id != "cdiv"}
 
 
+def unknown_name(text: str | int, known) -> str | None:
+    """The first name (alphabetically) `text` reads that `known` lacks, None when it knows them all;
+    ExprError when `text` does not parse."""
+    unknown = names(text) - set(known)
+    return min(unknown) if unknown else None
+
+
 def evaluate(text: str | int, env: dict[str, int]) -> int:
     return _eval(parse(text), env, text)
 

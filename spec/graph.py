@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from spec.config import CONFIG_KEYS
+from spec.config import CONFIG_KEYS, RANK_KEYS
 from spec.schedule import Attention, LayerInfo
 from spec.tables import SPEC_DIR
 from spec.yamlio import SpecError, decode, load_yaml
@@ -168,7 +168,7 @@ def check_attr_expr(value, where: str) -> None:
         if isinstance(node, ast.Name) and node.id not in ATTR_ROOTS + ("True", "False", "None"):
             raise SpecError(f"{where}: unknown name '{node.id}' in '{value}' (accepted: {', '.join(ATTR_ROOTS)})")
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            fields = {"cfg": ("config key", sorted(CONFIG_KEYS)), "layer": ("layer field", LayerInfo._fields)}
+            fields = {"cfg": ("config key", sorted(CONFIG_KEYS | RANK_KEYS)), "layer": ("layer field", LayerInfo._fields)}
             what, accepted = fields.get(node.value.id, (None, ()))
             if what is not None and node.attr not in accepted:
                 raise SpecError(f"{where}: unknown {what} '{node.attr}' in '{value}' (accepted: {', '.join(accepted)})")

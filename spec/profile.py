@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from spec import expr
+from spec.device import Device, check_device
 from spec.graph import load_graph
 from spec.tables import SPEC_DIR, load_tensor_table
 from spec.yamlio import SpecError, decode, load_yaml
@@ -76,6 +78,23 @@ class CacheGeometry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lessons: tuple[LessonId, ...] = ()
 
 
+class ExpertConversion(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Which routed experts a format with `runs_as` (spec/runtime.yaml) is converted for, each step:
+    every expert the rank holds (fixed shapes) or only those tokens route to (the planner's traffic)."""
+    scope: Literal["all_local", "routed"]
+    reason: str
+    lessons: tuple[LessonId, ...] = ()
+
+
+class EpDispatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How tokens reach the experts of other EP ranks (lib/ep.py): every rank runs its experts on
+    every token and one all-reduce sums (allgather), or pairs travel to their expert's rank and
+    back (alltoall)."""
+    mode: Literal["allgather", "alltoall"] = "allgather"
+    reason: str = "a single process holds every expert"
+    lessons: tuple[LessonId, ...] = ()
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -90,6 +109,10 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device.py
     forbidden_ops: dict[str, str] = {}      # aten ops the device must never see on a hot path -> why
     expert_modes: dict[str, str] = {}       # routed-expert mode -> runtime format of class routed_expert
+    # required where a routed-expert format is converted when its layer runs (runtime.yaml `runs_as`)
+    expert_conversion: ExpertConversion | None = None
+    device: Device | None = None            # the planner's device numbers (spec/device.py); none on cpu
+    ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/ep.py)
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
@@ -115,6 +138,11 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class RuntimeFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     doc: str
     convert: str
+    bytes: dict[str, str] = {}              # field -> size expression of numel / rows / cols
+    runs_as: str | None = None              # the format it is converted to when its layer runs
+
+
+BYTES_NAMES = frozenset({"numel", "rows", "cols"})
 
 
 class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -124,7 +152,20 @@ class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 @functools.lru_cache(maxsize=None)
 def load_runtime_formats(path: Path = SPEC_DIR / "runtime.yaml") -> RuntimeSpec:
     data, lines = load_yaml(path)
-    return decode(data, RuntimeSpec, str(path), lines)
+    spec = decode(data, RuntimeSpec, str(path), lines)
+    for name, fmt in spec.formats.items():
+        for field, size in fmt.bytes.items():
+            what = f"{path}:{lines.get(('formats', name, 'bytes', field), '?')}: format '{name}' bytes of '{field}'"
+            try:
+                unknown = expr.unknown_name(size, BYTES_NAMES)
+            except expr.ExprError as err:
+                raise SpecError(f"{what}: {err}") from None
+            if unknown:
+                raise SpecError(f"{what} uses unknown name '{unknown}' (accepted: {', '.join(sorted(BYTES_NAMES))})")
+        if fmt.runs_as is not None and fmt.runs_as not in spec.formats:
+            raise SpecError(f"{path}:{lines.get(('formats', name, 'runs_as'), '?')}: format '{name}' runs as "
+                            f"unknown format '{fmt.runs_as}' (accepted: {', '.join(spec.formats)})")
+    return spec
 
 
 def backend_names() -> list[str]:
@@ -184,6 +225,9 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
         if fmt not in runtime:
             raise SpecError(f"{path}:{lines[('expert_modes', mode)]}: expert mode '{mode}' names unknown runtime "
                             f"format '{fmt}' (accepted: {', '.join(runtime)})")
+    _check_expert_conversion(prof, path, lines, runtime)
+    if prof.device is not None:
+        check_device(prof.device, path, lines)
     geo = prof.cache
     if geo is None:
         raise SpecError(f"{path}:1: missing required key 'cache' (block_tokens, logical_block_tokens, reason)")
@@ -192,3 +236,17 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
                         f"block_tokens {geo.block_tokens} must be a positive multiple of logical_block_tokens "
                         f"{geo.logical_block_tokens}")
     return prof
+
+
+def _check_expert_conversion(prof: Profile, path: Path, lines: dict, runtime: dict) -> None:
+    """A profile that can hold routed experts in a format converted at run time must say which
+    experts it converts each step; one that cannot must not pretend to."""
+    held = {prof.runtime_format("routed_expert"), *prof.expert_modes.values()}
+    converted = sorted(f for f in held if runtime[f].runs_as is not None)
+    if converted and prof.expert_conversion is None:
+        raise SpecError(f"{path}:1: missing key 'expert_conversion' (scope: all_local | routed, reason): routed "
+                        f"experts can be held as '{converted[0]}', which is converted when its layer runs")
+    if prof.expert_conversion is not None and not converted:
+        raise SpecError(f"{path}:{lines.get(('expert_conversion',), '?')}: 'expert_conversion' given, but no "
+                        f"routed-expert format of this profile is converted at run time "
+                        f"(formats: {', '.join(sorted(held))})")

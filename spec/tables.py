@@ -144,12 +144,12 @@ def load_tensor_table(path: Path = SPEC_DIR / "tensors.yaml", quant_path: Path =
                             f"(accepted: {', '.join(table.classes)})")
         for dim in entry.shape:
             try:
-                unknown = expr.names(dim) - env_names
+                unknown = expr.unknown_name(dim, env_names)
             except expr.ExprError as err:
                 raise SpecError(f"{path}:{line}: shape of {entry.key}: {err}") from None
             if unknown:
                 raise SpecError(f"{path}:{line}: shape of {entry.key} uses unknown name "
-                                f"'{sorted(unknown)[0]}' (accepted: config keys, compress_ratio, n_dspark_targets)")
+                                f"'{unknown}' (accepted: config keys, compress_ratio, n_dspark_targets)")
     return table
 
 

@@ -275,20 +275,20 @@ def test_scales_load_bit_exactly(ckpt_copy):
 class ForgetfulCheckpoint(Checkpoint):
     """A loader that 'knows' the head needs no reading and hands back a fake instead (B06)."""
 
-    def read_parts(self, logical, ledger=None):
+    def read_parts(self, logical, ledger=None, index=None):
         if logical.entry.tensor_class == "head":
             return {p.role: torch.zeros(p.shape, dtype=torch.bfloat16) for p in logical.parts}
-        return super().read_parts(logical, ledger)
+        return super().read_parts(logical, ledger, index)
 
 
 class DraftEmbedCheckpoint(Checkpoint):
     """A loader whose drafter reads the target's embedding again for itself (B16)."""
 
-    def read_parts(self, logical, ledger=None):
+    def read_parts(self, logical, ledger=None, index=None):
         if logical.key == "mtp.0.main_norm.weight":
             embed = next(t for t in self.logical if t.key == "embed.weight")
             super().read_parts(embed, ledger)
-        return super().read_parts(logical, ledger)
+        return super().read_parts(logical, ledger, index)
 
 
 @pytest.mark.parametrize("cls, line", [(ForgetfulCheckpoint, "head.weight: never loaded"),

@@ -51,8 +51,10 @@ def test_clean_conformance_passes(tiny_ckpt, references, backend):
 DETECTED_BY = {"B17": "draft logits finite", "B20": "engine (dspark) under guard"}
 
 
+# Bugs whose site needs TP >= 2 (B05) cannot show in one process: tests/test_parallel.py catches
+# them with the ranks in their own processes.
 @pytest.mark.parametrize("backend, bug", [(b, bug) for bug, inj in CATALOGUE.items() for b in DEVICES
-                                          if b in inj.backends])
+                                          if b in inj.backends and inj.min_tp == 1])
 def test_every_injection_is_detected(tiny_ckpt, references, backend, bug):
     report = conformance.run(backend, tiny_ckpt, steps=INJECTION_STEPS, inject=bug, reference=references(INJECTION_STEPS))
     assert not report.passed, f"{bug} went unnoticed on {backend}:\n{report.table()}"

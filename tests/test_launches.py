@@ -1,14 +1,15 @@
 """`dsv4gen plan --ops`: launches and host syncs of one decode step on the real Flash schedule.
 
 Launch counts bound a real NPU; decode must never wait on the host. Runs every backend on the
-shrunken-width Flash-0731 checkpoint (43 layers, 256 experts, top-6) through the real loader.
+shrunken-width Flash-0731 checkpoint (43 layers, 256 experts, top-6) through the real loader, and
+checks the counts the speed planner reads (data/decode-launches.json) are the ones measured here.
 """
 from __future__ import annotations
 
 import pytest
 
 from lib.cli import main
-from lib.launches import decode_launches, shrunk_flash
+from lib.launches import as_record, decode_launches, recorded, shrunk_flash
 from spec.profile import backend_names
 
 
@@ -30,11 +31,14 @@ def test_decode_step_has_no_host_sync(flash, backend):
     assert report.syncs == 0 and all(r.syncs == 0 for r in report.rows)
     assert report.total == report.outside + sum(r.launches * r.layers for r in report.rows)
     assert kinds["csa / learned"].launches > kinds["hca / learned"].launches     # the indexer costs launches
+    assert report.dspark["verify"] > report.dspark["draft"] > report.dspark["context"] > 0
+    assert as_record(report) == recorded(backend), (
+        f"data/decode-launches.json is stale for {backend}; run: dsv4gen plan --ops --backend {backend} --record")
 
 
 def test_plan_ops_cli(flash, capsys):
     assert main(["plan", "--backend", "ascend310p", "--ops", "--model", str(flash)]) == 0
     out = capsys.readouterr().out
     assert "csa / learned" in out and "host syncs 0" in out
-    assert main(["plan", "--backend", "ascend310p"]) == 2
-    assert "only `dsv4gen plan --ops`" in capsys.readouterr().err
+    assert main(["plan", "--backend", "all"]) == 2
+    assert "dsv4gen plan needs one --backend" in capsys.readouterr().err

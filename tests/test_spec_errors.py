@@ -9,7 +9,7 @@ import pytest
 
 from codegen.lower import lower
 from spec import variants
-from spec.config import CONFIG_KEYS
+from spec.config import CONFIG_KEYS, RANK_KEYS
 from spec.graph import load_graph
 from spec.profile import load_runtime_formats, load_profile
 from spec.tables import load_quant, load_tensor_table
@@ -301,7 +301,7 @@ def test_graph_attr_unknown_config_key(tmp_path):
     p = graph(tmp_path, "attrs: {streams: cfg.hc_mult}", "attrs: {streams: cfg.hiden_size}")
     assert error_of(load_graph, p) == (
         f"{p}:{line(p, 'cfg.hiden_size')}: attr 'streams': unknown config key 'hiden_size' in 'cfg.hiden_size' "
-        f"(accepted: {', '.join(sorted(CONFIG_KEYS))})")
+        f"(accepted: {', '.join(sorted(CONFIG_KEYS | RANK_KEYS))})")
 
 
 def test_graph_attr_unknown_layer_field(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.rope import rope
+from lib import parallel
 from lib.batch import Batch
 from lib.invariant import matmul
 from lib.state import CompressorState
@@ -62,7 +63,7 @@ def compressed_entries(states: list[CompressorState]) -> list[torch.Tensor]:
 
 
 def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: int, ratio: int,
-                 weight_scale: float) -> torch.Tensor:
+                 weight_scale: float, group=None) -> torch.Tensor:
     """Top-k entries per query -> [T, topk] int32 sequence-local ids, -1 = none (fp32 scores)."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     for seg in batch.segments():
@@ -71,7 +72,7 @@ def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: in
             continue
         ws = weights[seg.lo:seg.hi].float() * weight_scale
         dots = matmul(q[seg.lo:seg.hi].float(), k.float().t())                         # [n, H, E]
-        scores = (ws.unsqueeze(-1) * torch.relu(dots)).sum(1)                         # [n, E]
+        scores = parallel.all_reduce((ws.unsqueeze(-1) * torch.relu(dots)).sum(1), group)  # [n, E], all heads
         ready = ((batch.positions[seg.lo:seg.hi] + 1) // ratio).to(torch.int32)
         visible = torch.arange(k.shape[0], dtype=torch.int32)[None, :] < ready[:, None]
         scores = torch.where(visible, scores, float("-inf"))

@@ -11,9 +11,17 @@ import torch
 from lib.invariant import matmul
 
 
-def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[T] ids -> [T, d]; int32 gather indices (int64 gathers fall back to the AI-CPU, L13)."""
-    return table.index_select(0, tokens.to(torch.int32))
+def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: int = 1) -> torch.Tensor:
+    """[T] ids -> [T, d]; int32 gather indices (int64 gathers fall back to the AI-CPU, L13). With
+    `shards` > 1 (vocab split over TP) ids outside this rank's rows give zero rows (a three-argument
+    where, no boolean-mask write: L12); a tp_sum completes the lookup."""
+    if shards == 1:
+        return table.index_select(0, tokens.to(torch.int32))
+    n = table.shape[0]
+    local = (tokens - shard * n).to(torch.int32)
+    mine = (local >= 0) & (local < n)
+    rows = table.index_select(0, local.clamp(0, n - 1))
+    return torch.where(mine[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

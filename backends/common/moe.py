@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lib import ep
 from lib.invariant import matmul
 
 
@@ -58,10 +59,20 @@ def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
 
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
                 dtype: torch.dtype, unpermute_multiple: int = 1) -> torch.Tensor:
-    """Routed experts through a device's routing / grouped-GEMM / unpermute ops, summed over the EP
-    ranks this process runs (one normally; all when EP is simulated). Per rank: local ids with a
-    dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05), weighted combine; a
-    hidden size the unpermute op refuses falls back to an index_select combine (L08)."""
+    """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
+    EP group when there is one (lib/ep.py)."""
+    def partial(xs, ws, es):
+        return _grouped_partial(xs, ws, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm,
+                                unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
+    return ep.exchange(placement, x, weights, ids, partial, dtype)
+
+
+def _grouped_partial(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
+                     dtype: torch.dtype, unpermute_multiple: int) -> torch.Tensor:
+    """fp32 sum over the EP ranks this process runs (one normally; all when EP is simulated). Per
+    rank: local ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05),
+    weighted combine; a hidden size the unpermute op refuses falls back to an index_select
+    combine (L08)."""
     from lib.placement import rank_experts
 
     t, k = ids.shape
@@ -81,4 +92,4 @@ def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_ro
         else:
             rows = down.float().index_select(0, row_idx).reshape(t, k, -1)
             out = out + (rows * probs.float().unsqueeze(-1)).sum(1)
-    return out.to(dtype)
+    return out

@@ -12,6 +12,7 @@ import torch
 
 from backends.common import hc, moe
 from backends.hip936 import device
+from lib import ep
 from lib.invariant import matmul
 from lib.placement import ExpertPlacement, rank_experts
 from lib.wformats import PackedFP4, packed_fp4_to_w8a8
@@ -72,7 +73,15 @@ PAIRWISE_MAX = 64
 
 def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
                    limit: float):
-    """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28)."""
+    """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
+    exchanged over the EP group when there is one (lib/ep.py)."""
+    return ep.exchange(placement, x, weights, ids, lambda xs, ws, es: _routed_partial(xs, ws, es, w1, w3, w2,
+                                                                                      placement, limit), DTYPE)
+
+
+def _routed_partial(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
+                    limit: float) -> torch.Tensor:
+    """fp32 sum over the EP ranks this process runs."""
     t, k = ids.shape
     xq, xs = _quant_tokens(x)
     out = torch.zeros(t, x.shape[-1], dtype=torch.float32)
@@ -90,4 +99,4 @@ def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4,
         for e in range(placement.n_local):
             gate = (probs.float() * (local == e)).sum(-1, keepdim=True)            # [T, 1], 0 where not routed
             out = out + gate * _expert(xq, xs, g1, g3, g2, e, limit)
-    return out.to(DTYPE)
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lib import parallel
 from lib.batch import Batch
 
 
@@ -27,7 +28,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
 
 
 def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,
-                 topk: int, ratio: int, weight_scale: float) -> torch.Tensor:
+                 topk: int, ratio: int, weight_scale: float, group=None) -> torch.Tensor:
     """Top-k compressed entries per query (§3.8) -> [T, topk] sequence-local entry ids, -1 = none.
 
     q [T, Hi, Di] indexer queries (RoPE applied); weights [T, Hi] head weights (W_iw h), scaled
@@ -38,8 +39,10 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: lis
         k = keys[seg.index]
         if k.shape[0] == 0:
             continue
-        scores = index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k, batch.positions[seg.lo:seg.hi],
-                              ratio=ratio, weight_scale=weight_scale)
+        # this rank's heads only under TP: the masked (-inf) entries stay -inf in the sum
+        scores = parallel.all_reduce(index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k,
+                                                  batch.positions[seg.lo:seg.hi], ratio=ratio,
+                                                  weight_scale=weight_scale), group)
         picked = scores.topk(min(topk, k.shape[0]), dim=-1).indices               # [n, k']
         valid = torch.isfinite(torch.gather(scores, 1, picked))
         out[seg.lo:seg.hi, : picked.shape[1]] = torch.where(valid, picked, -1)

@@ -17,9 +17,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
-def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[T] ids -> [T, d] rows of the embedding table (no scaling, §3.1)."""
-    return table.index_select(0, tokens).float()
+def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: int = 1) -> torch.Tensor:
+    """[T] ids -> [T, d] rows of the embedding table (no scaling, §3.1). With `shards` > 1 the table
+    holds rows [shard*n, (shard+1)*n): ids elsewhere give zero rows, completed by a tp_sum."""
+    if shards == 1:
+        return table.index_select(0, tokens).float()
+    n = table.shape[0]
+    local = tokens - shard * n
+    mine = (local >= 0) & (local < n)
+    rows = table.index_select(0, local.clamp(0, n - 1)).float()
+    return torch.where(mine[:, None], rows, 0.0)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lib import ep
+
 
 def _scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """sqrt(softplus(W_g x)) (scoring_func sqrtsoftplus), fp64."""
@@ -59,7 +61,18 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
                    w3: torch.Tensor, w2: torch.Tensor, placement, limit: float) -> torch.Tensor:
     """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
 
-    `placement` (EP) decides where experts run, not what they compute: unused here."""
+    `placement` (EP) decides where experts run, not what they compute: a process holding only its
+    EP rank's experts computes their share, and lib/ep.py sums the ranks' shares."""
+    return ep.exchange(placement, x, weights, ids,
+                       lambda xs, ws, es: _routed(xs, ws, es, w1, w3, w2, placement, limit), torch.float32)
+
+
+def _routed(x, weights, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
+    if placement.ep_size > 1 and len(placement.ranks) == 1:     # one EP rank's share of a real EP group
+        local = placement.local_of[placement.ranks[0]].index_select(0, ids.reshape(-1)).view_as(ids).long()
+        weights = torch.where(local < placement.n_local, weights, 0.0)    # other ranks' routes weigh 0
+        if w1.shape[0] == placement.n_local:        # only this rank's experts are loaded: local ids
+            ids = local.clamp(max=placement.n_local - 1)
     x = x.double()
     t, k = ids.shape
     if t * k <= GATHER_MAX_PAIRS:
@@ -68,10 +81,10 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
         g1, g3, g2 = (w.index_select(0, flat).double() for w in (w1, w3, w2))   # [T*k, ...]
         act = clipped_swiglu(torch.einsum("pd,pid->pi", xs, g1), torch.einsum("pd,pid->pi", xs, g3), limit)
         y = torch.einsum("pi,pdi->pd", act, g2) * weights.reshape(-1, 1).double()
-        return y.reshape(t, k, -1).sum(1).float()
+        return y.reshape(t, k, -1).sum(1)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
         y = _expert(x[token], w1[e], w3[e], w2[e], limit) * weights[token, slot, None].double()
         out = out.index_add(0, token, y)
-    return out.float()
+    return out

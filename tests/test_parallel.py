@@ -1,0 +1,117 @@
+"""Tensor and expert parallelism in real processes (gloo): every layout decodes exactly like one
+process, the field's TP/EP bugs re-introduced are caught, and the CLI refuses what cannot split.
+
+Each check launches the ranks the way `dsv4gen run --tensor-parallel-size T` does (lib/launch.py).
+CI runs every layout on cpu and the device layouts that are exact; `-m slow` runs the whole matrix.
+
+Known gap (issue 6): the device backends' partial sums are rounded to the compute dtype per rank
+(the unpermute combine of each EP rank's experts, the row-parallel wo_b, whose 310P W8A8 input is
+also quantised per rank), so most device layouts drift from one process within a few steps; those
+are expected failures until the combine is done after the exchange.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lib import parallel_check
+from lib.checkpoint import Checkpoint
+from lib.cli import main as dsv4gen
+
+STEPS = 64
+PROMPTS = parallel_check.DEFAULT_PROMPTS[:2]
+LAYOUTS = [(1, 2, "allgather"), (2, 1, "allgather"), (2, 2, "alltoall")]
+FAST = {("cpu", 1, 2, "allgather"), ("cpu", 2, 1, "allgather"), ("cpu", 2, 2, "alltoall"),
+        ("hip936", 1, 2, "alltoall")}
+# measured (64 greedy tokens x 2 prompts vs one process): 310P EP=2 first differs at step 6, 910 EP=2
+# at step 8, hip936 TP=2 at step 51, 310P TP=2 at step 6
+DRIFTS = pytest.mark.xfail(reason="device partial sums rounded per rank (issue 6)", strict=False)
+MATRIX = [pytest.param(b, tp, ep, d, marks=() if (b, tp, ep, d) in FAST else (pytest.mark.slow, DRIFTS))
+          for b in ("cpu", "ascend310p", "ascend910", "hip936") for tp, ep, d in LAYOUTS] + \
+         [pytest.param("hip936", 1, 2, "alltoall")]       # the profile's dispatch: exact (routed-only requant)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {}
+
+
+@pytest.mark.parametrize("backend, tp, ep, dispatch", MATRIX)
+def test_layout_decodes_like_one_process_with_and_without_dspark(tiny_ckpt, references, backend, tp, ep, dispatch):
+    results = parallel_check.check(tiny_ckpt, backend, tp, ep, dispatch, steps=STEPS, prompts=PROMPTS,
+                                   reference=references.setdefault(backend, {}))
+    assert [r.speculative for r in results] == ["none", "dspark"]
+    for r in results:
+        assert r.first_difference is None, r.line()
+        assert all(len(tokens) == STEPS for tokens in r.parallel)
+
+
+def test_tp4_is_refused_where_the_config_does_not_divide(tiny_ckpt, capsys):
+    """The default tiny model has o_groups = 2: TP 4 cannot give every rank whole wo_a groups."""
+    assert dsv4gen(["run", "--model", str(tiny_ckpt), "--prompt", "hi", "--tp", "4"]) == 2
+    assert "does not divide o_groups (2)" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    """A tiny config TP 4 divides (o_groups 4): the TP=4 acceptance layout."""
+    from lib.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tp4") / "ckpt",
+                     overrides={"o_groups": 4, "o_lora_rank": 128, "index_head_dim": 64})
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("ascend310p", marks=(pytest.mark.slow, DRIFTS))])
+def test_tp4_decodes_like_one_process(wide_ckpt, backend):
+    for r in parallel_check.check(wide_ckpt, backend, 4, 1, "allgather", steps=STEPS, prompts=PROMPTS[:1]):
+        assert r.first_difference is None, r.line()
+
+
+def test_b11_rank0_expert_map_is_caught(tiny_ckpt):
+    """Every EP rank with rank 0's expert map (the map cached before fork): tokens diverge."""
+    results = parallel_check.check(tiny_ckpt, "ascend310p", 1, 2, "allgather", steps=16, prompts=PROMPTS,
+                                   modes=("none",), inject="B11")
+    assert results[0].first_difference is not None, results[0].line()
+
+
+@pytest.fixture(scope="module")
+def varied_scales(wide_ckpt, tmp_path_factory):
+    """B05 needs a row-parallel wo_b whose input spans several scale blocks (the default tiny's 128
+    columns are one block both ranks share) with blocks that differ: the tiny maker gives every
+    block of a tensor the same E8M0 scale, so this copy gives wo_b's blocks distinct powers of two
+    (a valid checkpoint: the weights are simply scaled per block)."""
+    out = tmp_path_factory.mktemp("scales") / "ckpt"
+    shutil.copytree(wide_ckpt, out)
+    ckpt = Checkpoint(out)
+    shards = {}
+    for key, entry in ckpt.headers.items():
+        if key.endswith("attn.wo_b.scale"):
+            shards.setdefault(entry.shard, []).append(key)
+    for shard, keys in shards.items():
+        tensors = load_file(out / shard)
+        for key in keys:
+            scale = tensors[key]
+            bump = torch.arange(scale.numel()).reshape(scale.shape) % 3 - 1          # -1, 0, +1 binades
+            tensors[key] = (scale.float() * torch.exp2(bump.float())).to(scale.dtype)
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+    return out
+
+
+def test_b05_unsliced_tp_scales_are_caught(varied_scales):
+    """On the cpu backend (exact under TP): the loading code B05 lives in is shared by every backend."""
+    reference: dict = {}
+    clean = parallel_check.check(varied_scales, "cpu", 2, 1, "allgather", steps=16, prompts=PROMPTS,
+                                 modes=("none",), reference=reference)
+    assert clean[0].first_difference is None, clean[0].line()
+    broken = parallel_check.check(varied_scales, "cpu", 2, 1, "allgather", steps=16, prompts=PROMPTS,
+                                  modes=("none",), inject="B05", reference=reference)
+    assert broken[0].first_difference is not None, broken[0].line()
+
+
+def test_conformance_cli_runs_the_parallel_check(tiny_ckpt, capsys):
+    assert dsv4gen(["conformance", "--backend", "hip936", "--model", str(tiny_ckpt), "--ep", "2",
+                    "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 EP=2 alltoall (none): 24 greedy tokens vs one process: identical" in out and "PASS" in out
