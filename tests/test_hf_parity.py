@@ -40,7 +40,7 @@ def _margins(monkeypatch) -> dict[str, list[float]]:
     gaps: dict[str, list[float]] = {"indexer": [], "router": []}
     original_select, original_route = attention.index_select, moe.route_learned
 
-    def select(q, weights, batch, keys, *, topk, ratio, weight_scale):
+    def select(q, weights, batch, keys, *, topk, ratio, weight_scale, group=None):
         for seg in batch.segments():
             scores = attention.index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], keys[seg.index],
                                             batch.positions[seg.lo:seg.hi], ratio=ratio, weight_scale=weight_scale)
@@ -49,7 +49,8 @@ def _margins(monkeypatch) -> dict[str, list[float]]:
                 finite = row[torch.isfinite(row)]
                 if finite.numel() > topk:
                     gaps["indexer"].append((finite[topk - 1] - finite[topk]).item())
-        return original_select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
+        return original_select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale,
+                               group=group)
 
     def route(x, gate, bias, topk, route_scale):
         biased = moe._scores(x, gate) + bias.double()
