@@ -204,49 +204,73 @@ def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> Referenc
 
 
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
-        inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None) -> Report:
-    """All conformance checks of `backend`; `reference` may be reused across runs of one model."""
+        inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None,
+        stop_on_failure: bool = False) -> Report:
+    """All conformance checks of `backend`; `reference` may be reused across runs of one model.
+    The checks run in stages, cheapest first (ops and sub-layers; the paged run against the dense
+    one and the reference's logits; determinism and batch replicas; the engine and the drafter);
+    with `stop_on_failure` the report ends after the first stage with a failing check, which is all
+    an injected bug's detection needs."""
     from lib.inject import injection
 
     profile = load_profile(backend)
     budgets = profile.conformance
     reference = reference or reference_run(model_path, steps, prompt_len)
     prompt, tokens, ref_logits = reference.prompt, reference.tokens, reference.logits
-    ref_calls, op_calls = reference.sublayer_calls, reference.op_calls
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
     checks: list[Check] = []
+
+    def done() -> bool:
+        return stop_on_failure and not all(c.passed for c in checks)
+
     with injection(inject, backend):
         options = LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1)
         dev = load_model(model_path, backend, options=options)
         with guard:
-            op_results = run_ops(op_calls, profile)
-            results = _device_sublayers(ref_calls, dev)
-            first = _paged_run(dev, prompt, tokens)
+            op_results = run_ops(reference.op_calls, profile)
+            results = _device_sublayers(reference.sublayer_calls, dev)
         checks += op_checks(op_results, profile, Check)
         checks += _sublayer_checks(results, budgets)
+        if done():
+            return Report(backend, tuple(checks + [_guard_check(guard)]))
+        with guard:
+            first = _paged_run(dev, prompt, tokens)
         dense = _dense_teacher_forced(dev, prompt, tokens)
-        second = _paged_run(dev, prompt, tokens) if first.error is None else first
-        batched = _paged_run(dev, prompt, tokens, copies=4) if first.error is None else first
-        serving = engine_checks(dev, prompt, profile, Check)
+        checks.append(_guard_check(guard))
+        checks.append(_paged_check(first, dense))
+        checks += _logit_checks(ref_logits, first.logits or dense, budgets["logits"].budget)
+        if done():
+            return Report(backend, tuple(checks))
+        checks += _replica_checks(dev, prompt, tokens, first)
+        if done():
+            return Report(backend, tuple(checks))
+        checks += engine_checks(dev, prompt, profile, Check)
         if reference.draft is not None:
             with drafter_model(model_path, backend, profile, dev, options) as (drafting, mode):
-                serving += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
+                checks += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
+    return Report(backend, tuple(checks))
+
+
+def _guard_check(guard: CapabilityGuard) -> Check:
     violations = guard.report().violations
-    checks.append(Check("guard violations", str(len(violations)), "0", not violations))
-    checks.append(_paged_check(first, dense))
-    checks += _logit_checks(ref_logits, first.logits or dense, budgets["logits"].budget)
-    checks += serving
+    return Check("guard violations", str(len(violations)), "0", not violations)
+
+
+def _replica_checks(dev: Model, prompt: list[int], tokens: list[int], first: PagedRun) -> list[Check]:
+    """The same run twice, and four replicas of the prompt in one batch: bit for bit the same."""
+    names = ("repeat determinism", "4x batch replicas")
+    if first.error is not None:
+        return [Check(name, "not run: paged run failed", "identical", False) for name in names]
+    second = _paged_run(dev, prompt, tokens)
+    batched = _paged_run(dev, prompt, tokens, copies=4)
     if any(r.error is not None for r in (second, batched)):
-        checks += [Check(name, "not run: paged run failed", "identical", False)
-                   for name in ("repeat determinism", "4x batch replicas")]
-        return Report(backend, tuple(checks))
+        return [Check(name, "not run: paged run failed", "identical", False) for name in names]
     same = all(torch.equal(a, b) for a, b in zip(first.logits, second.logits))
-    checks.append(Check("repeat determinism", "identical" if same else "differs", "identical", same))
     # four replicas of the prompt in one batch must agree with each other bit for bit (uninitialised
     # grouped-matmul rows made the field port's replicas diverge, B10)
     rows_agree = all(torch.equal(b[i], b[0]) for b in batched.logits for i in range(1, 4))
-    checks.append(Check("4x batch replicas", "identical" if rows_agree else "differ", "identical", rows_agree))
-    return Report(backend, tuple(checks))
+    return [Check(names[0], "identical" if same else "differs", "identical", same),
+            Check(names[1], "identical" if rows_agree else "differ", "identical", rows_agree)]
 
 
 def _paged_check(paged: PagedRun, dense: list[torch.Tensor]) -> Check:

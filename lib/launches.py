@@ -2,11 +2,16 @@
 one DSpark round (target verify over the block, drafter ring rows, draft block).
 
 Launch count is what bounds a real NPU (one 910C stack spends 85% of a step on ~2,900 launches),
-and it depends on the layer schedule and expert fan-out, not on widths. So this runs the real
-DeepSeek-V4-Flash schedule (43 layers, 256 experts, top-6) with shrunken widths, through the same
-checkpoint format, loader and generated code as any model, under the capability guard. Counting
-takes minutes (loading 36k tensors), so `--record` keeps the counts in data/decode-launches.json
-for the speed planner (lib/plan_speed.py); tests/test_launches.py fails when they go stale.
+and it depends on the layer schedule and expert fan-out, not on widths. So this runs the
+DeepSeek-V4-Flash configuration (256 experts, top-6, the 3-stage DSpark drafter) with shrunken
+widths, through the same checkpoint format, loader and generated code as any model, under the
+capability guard, and counts every block's launches in a section of its layer kind. A layer's
+launches depend on its kind only (the generated code is one function per kind), so the default
+checkpoint keeps one backbone layer per kind the real schedule has (5 layers, ~4.5k tensors
+instead of 36k) and the counts are scaled to the real 43-layer schedule;
+`shrunk_flash(full_depth=True)` builds the whole schedule, which tests/test_launches.py (slow)
+checks gives the same counts. `--record` keeps them in data/decode-launches.json for the speed
+planner (lib/plan_speed.py); tests/test_launches.py fails when they go stale.
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ SHRUNK = {
     "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 64, "moe_intermediate_size": 32,
     "dspark_markov_rank": 16, "dspark_noise_token_id": 15, "max_position_embeddings": 4096,
 }
+# one backbone layer of every kind flash-0731 has (SWA/hash, CSA/hash, HCA, CSA), then its 3 drafter stages
+REDUCED_DEPTH = {"num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4, 0, 0, 0],
+                 "dspark_target_layer_ids": [2, 3, 4]}
 PREFILL = 3      # the decode step runs at position 3, where a CSA (ratio 4) window completes
 
 
@@ -58,9 +66,10 @@ class LaunchReport(NamedTuple):
     dspark: dict[str, int] | None = None
 
 
-def shrunk_flash() -> Path:
-    """The shrunken Flash checkpoint, made once into the cache (full official key set)."""
-    cfg = variant_config("flash-0731", SHRUNK)
+def shrunk_flash(full_depth: bool = False) -> Path:
+    """The shrunken Flash checkpoint (one layer per kind unless `full_depth`), made once into the
+    cache (the official key set of its layers)."""
+    cfg = variant_config("flash-0731", SHRUNK if full_depth else {**SHRUNK, **REDUCED_DEPTH})
     tag = hashlib.sha256(repr(sorted(cfg.to_json_dict().items())).encode()).hexdigest()[:12]
     path = cache_root() / f"flash-shrunk-{tag}"
     if not (path / "config.json").exists():
@@ -88,18 +97,30 @@ def _greedy(logits, k):
     return logits.argmax(-1), None
 
 
+def _kind_counts(cfg) -> dict[str, int]:
+    layers: dict[str, int] = {}
+    for layer in backbone(cfg):
+        key = f"{layer.attention} / {layer.routing}"
+        layers[key] = layers.get(key, 0) + 1
+    return layers
+
+
 def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
+    """Counts of one decode step and one DSpark round of the model at `path`; by default the
+    reduced-depth shrunk Flash, scaled to the real flash-0731 schedule."""
     from lib.dspark import block_size, context_rows, propose
 
+    schedule = variant_config("flash-0731") if path is None else None
     path = path or shrunk_flash()
     model = load_model(path, backend, progress=True)
+    schedule = schedule or model.cfg
     spark = drafter_kind(model.cfg) == "dspark"
     _, caches, hidden = step(model, make_batch([list(range(20, 20 + PREFILL))]), [model.new_cache()], with_hidden=True)
     rings = context_rows(model, hidden, torch.arange(PREFILL)) if spark else None
     guard = CapabilityGuard(rules_from_profile(load_profile(backend)), mode="count")
     module = importlib.import_module(f"backends.{backend}._generated.model")
-    with guard:
-        with _per_block_sections(module, guard), guard.section("decode"):
+    with guard, _per_block_sections(module, guard):
+        with guard.section("decode"):
             step(model, make_batch([[7]], [PREFILL], last_only=True), caches)
         if spark:
             block = [7] + [model.cfg.dspark_noise_token_id] * block_size(model)   # anchor + drafts, as verified
@@ -109,23 +130,28 @@ def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
                 context_rows(model, hid[:1], torch.tensor([PREFILL]))
             with guard.section("draft"):
                 propose(model, [7], [PREFILL], [rings], _greedy)
-    report = guard.report()
-    layers: dict[str, int] = {}
-    for layer in backbone(model.cfg):
-        key = f"{layer.attention} / {layer.routing}"
-        layers[key] = layers.get(key, 0) + 1
-    rows = []
-    for kind, n in layers.items():
-        counts = report.sections[f"decode/{kind}"]
-        rows.append(KindRow(kind, n, counts.ops // n, counts.syncs // n))
-    outside = report.sections["decode"].ops
-    decode = sum(c.ops for name, c in report.sections.items() if name.split("/")[0] == "decode")
-    syncs = sum(c.syncs for name, c in report.sections.items() if name.split("/")[0] == "decode")
+    sections = guard.report().sections
+    held, real = _kind_counts(model.cfg), _kind_counts(schedule)
+    if set(held) != set(real):
+        raise ValueError(f"{path} has layer kinds {sorted(held)}, its schedule {sorted(real)}")
+
+    def per_layer(part: str, kind: str, field: str) -> int:
+        value, n = getattr(sections[f"{part}/{kind}"], field), held[kind]
+        if value % n:
+            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value} {field} in {part}: not the same per layer")
+        return value // n
+
+    def part_total(part: str, field: str = "ops") -> int:
+        """A target forward on the real schedule: launches outside blocks + per layer x real layers."""
+        return getattr(sections[part], field) + sum(per_layer(part, k, field) * n for k, n in real.items())
+
+    rows = tuple(KindRow(k, n, per_layer("decode", k, "ops"), per_layer("decode", k, "syncs")) for k, n in real.items())
     dspark = None
-    if spark:
-        dspark = {part: sum(c.ops for name, c in report.sections.items() if name.split("/")[0] == part)
-                  for part in ("verify", "context", "draft")}
-    return LaunchReport(backend, tuple(rows), outside, decode, syncs, dspark)
+    if spark:      # the drafter's depth is the real one: its parts are plain sums
+        dspark = {"verify": part_total("verify")}
+        dspark |= {part: sum(c.ops for name, c in sections.items() if name.split("/")[0] == part)
+                   for part in ("context", "draft")}
+    return LaunchReport(backend, rows, sections["decode"].ops, part_total("decode"), part_total("decode", "syncs"), dspark)
 
 
 def format_report(r: LaunchReport) -> str:

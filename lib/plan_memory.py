@@ -128,13 +128,16 @@ def expert_format(profile: Profile, mode: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def field_bytes(runtime_format: str, shape: tuple[int, ...]) -> Mapping[str, int]:
+def field_bytes(runtime_format: str, shape: tuple[int, ...], group: int | None = None) -> Mapping[str, int]:
     """Field -> bytes of one tensor of logical `shape` held in `runtime_format` (spec/runtime.yaml);
-    read-only, as every caller shares the cached answer."""
+    `group`: the width the format's `group` config key has (format_group). Read-only, as every
+    caller shares the cached answer."""
     fmt = load_runtime_formats().formats[runtime_format]
     if not fmt.bytes:
         raise SpecError(f"spec/runtime.yaml: format '{runtime_format}' has no `bytes`; the planner cannot size it")
     env = {"numel": math.prod(shape)}
+    if group is not None:
+        env["group"] = group
     if len(shape) == 2:
         env["rows"], env["cols"] = shape
     try:
@@ -142,6 +145,12 @@ def field_bytes(runtime_format: str, shape: tuple[int, ...]) -> Mapping[str, int
     except expr.ExprError as err:
         raise SpecError(f"spec/runtime.yaml: format '{runtime_format}' cannot hold a tensor of shape "
                         f"{list(shape)}: {err}") from None
+
+
+def format_group(runtime_format: str, cfg) -> int | None:
+    """The config width a grouped format's sizes use (w8a8_group: o_lora_rank), None otherwise."""
+    key = load_runtime_formats().formats[runtime_format].group
+    return None if key is None else getattr(cfg, key)
 
 
 def shard_shape(t: Logical, tp: int) -> tuple[int, ...]:
@@ -164,14 +173,15 @@ def device_tensors(d: Deployment, routed_format: str, roles=("backbone", "mtp", 
     """(logical, runtime format, {field: bytes}) of every tensor rank 0 holds, in runtime order:
     model-level first, then block by block (the parameter tree's order)."""
     profile = load_profile(d.backend)
-    n_local = variant_config(d.variant).n_routed_experts // d.ep
+    cfg = variant_config(d.variant)
+    n_local = cfg.n_routed_experts // d.ep
     held = [t for t in logicals(d.variant)
             if (t.layer is None or t.layer.role in roles) and _held_by_rank0(t, n_local)]
     held.sort(key=lambda t: -1 if t.layer is None else t.layer.index)       # stable: entry order within a block
     for t in held:
         cls = t.entry.tensor_class
         fmt = routed_format if cls == "routed_expert" else profile.runtime_format(cls)
-        yield t, fmt, field_bytes(fmt, shard_shape(t, d.tp))
+        yield t, fmt, field_bytes(fmt, shard_shape(t, d.tp), format_group(fmt, cfg))
 
 
 def weights(d: Deployment) -> Weights:

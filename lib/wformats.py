@@ -69,6 +69,16 @@ def to_w8a8_row(storage: str, parts: dict, cfg: ModelConfig) -> W8A8:
     return quantize_rows(formats.decode(storage, parts, cfg).float())
 
 
+def to_w8a8_group(storage: str, parts: dict, cfg: ModelConfig) -> W8A8:
+    """wo_b [d, G*R] -> int8 [G, d, R] with one scale per (group, output row) [G, d], R = o_lora_rank.
+    A TP rank holds whole groups, so its scales are the ones one process computes for those groups:
+    per-row scales over a rank's columns would change the int8 weights with the TP size."""
+    w = formats.decode(storage, parts, cfg).float()
+    groups = w.shape[1] // cfg.o_lora_rank
+    q = quantize_rows(w.reshape(w.shape[0], groups, -1).transpose(0, 1))
+    return W8A8(q.qweight.contiguous(), q.scale.contiguous())
+
+
 def to_packed_fp4(storage: str, parts: dict, cfg: ModelConfig) -> PackedFP4:
     if storage != "mxfp4":
         raise ValueError(f"packed FP4 runtime format needs MXFP4 storage, got '{storage}'")
@@ -92,4 +102,4 @@ def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig) -> W4A8:
 
 
 # runtime formats held as records (what `dsv4gen convert` stores field by field)
-FORMAT_RECORDS = {"w8a8_row": W8A8, "mxfp4_packed": PackedFP4, "w4a8_channel": W4A8}
+FORMAT_RECORDS = {"w8a8_row": W8A8, "w8a8_group": W8A8, "mxfp4_packed": PackedFP4, "w4a8_channel": W4A8}

@@ -140,9 +140,10 @@ class RuntimeFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     convert: str
     bytes: dict[str, str] = {}              # field -> size expression of numel / rows / cols
     runs_as: str | None = None              # the format it is converted to when its layer runs
+    group: str | None = None                # config key of the column-group width `bytes` may use
 
 
-BYTES_NAMES = frozenset({"numel", "rows", "cols"})
+BYTES_NAMES = frozenset({"numel", "rows", "cols", "group"})
 
 
 class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -162,6 +163,8 @@ def load_runtime_formats(path: Path = SPEC_DIR / "runtime.yaml") -> RuntimeSpec:
                 raise SpecError(f"{what}: {err}") from None
             if unknown:
                 raise SpecError(f"{what} uses unknown name '{unknown}' (accepted: {', '.join(sorted(BYTES_NAMES))})")
+            if fmt.group is None and expr.unknown_name(size, BYTES_NAMES - {"group"}):
+                raise SpecError(f"{what} uses 'group' but the format names no `group` config key")
         if fmt.runs_as is not None and fmt.runs_as not in spec.formats:
             raise SpecError(f"{path}:{lines.get(('formats', name, 'runs_as'), '?')}: format '{name}' runs as "
                             f"unknown format '{fmt.runs_as}' (accepted: {', '.join(spec.formats)})")

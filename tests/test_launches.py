@@ -1,8 +1,10 @@
 """`dsv4gen plan --ops`: launches and host syncs of one decode step on the real Flash schedule.
 
 Launch counts bound a real NPU; decode must never wait on the host. Runs every backend on the
-shrunken-width Flash-0731 checkpoint (43 layers, 256 experts, top-6) through the real loader, and
-checks the counts the speed planner reads (data/decode-launches.json) are the ones measured here.
+shrunken-width Flash-0731 checkpoint (one layer per kind, 256 experts, top-6, scaled to the real
+43-layer schedule) through the real loader, and checks the counts the speed planner reads
+(data/decode-launches.json) are the ones measured here; `-m slow` also checks the scaling against
+the full 43-layer checkpoint.
 """
 from __future__ import annotations
 
@@ -42,3 +44,13 @@ def test_plan_ops_cli(flash, capsys):
     assert "csa / learned" in out and "host syncs 0" in out
     assert main(["plan", "--backend", "all"]) == 2
     assert "dsv4gen plan needs one --backend" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_reduced_depth_counts_equal_the_full_schedule(tmp_path_factory):
+    """One layer per kind, scaled, counts what all 43 layers launch (the premise of the default)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DSV4GEN_CACHE", str(tmp_path_factory.mktemp("full")))
+    full = shrunk_flash(full_depth=True)
+    mp.undo()
+    assert as_record(decode_launches("cpu", full)) == recorded("cpu")

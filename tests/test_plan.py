@@ -15,7 +15,7 @@ import torch
 
 from lib.cli import main
 from lib.formats import encode, resolve
-from lib.plan_memory import Deployment, field_bytes, logicals, weights
+from lib.plan_memory import Deployment, field_bytes, format_group, logicals, weights
 from spec.profile import load_profile, load_runtime_formats
 from spec.tables import load_quant
 from spec.variants import variant_config
@@ -135,12 +135,14 @@ def test_inventory_totals_are_exact_and_the_planner_walks_them(capsys):
 
 @pytest.mark.parametrize("fmt", sorted(load_runtime_formats().formats))
 def test_runtime_format_bytes_are_what_the_converter_returns(fmt):
-    cfg, shape = variant_config("flash-0731"), (256, 384)
+    cfg = variant_config("flash-0731")
+    group = format_group(fmt, cfg)
+    shape = (256, 384) if group is None else (256, 2 * group)        # a grouped format holds whole groups
     storage = {"mxfp4_packed": "mxfp4", "index_i64": "i64", "index_i32": "i64"}.get(fmt, "fp8_block")
     x = torch.randint(0, 6, shape) if storage == "i64" else torch.randn(shape, generator=torch.Generator().manual_seed(0))
     value = resolve(load_runtime_formats().formats[fmt].convert)(storage, encode(storage, x, cfg), cfg)
     fields = {"data": value} if isinstance(value, torch.Tensor) else value._asdict()
-    assert {k: v.nbytes for k, v in fields.items()} == field_bytes(fmt, shape)
+    assert {k: v.nbytes for k, v in fields.items()} == field_bytes(fmt, shape, group)
 
 
 def test_json_keys_and_text_tables(capsys):
@@ -258,7 +260,9 @@ def test_packed_experts_need_an_expert_conversion_scope(tmp_path):
 
 @pytest.mark.parametrize("old, new, message", [
     ('bytes: {qweight: "rows*cols", scale: "4*rows"}', 'bytes: {qweight: "rows*colz", scale: "4*rows"}',
-     "format 'w8a8_row' bytes of 'qweight' uses unknown name 'colz' (accepted: cols, numel, rows)"),
+     "format 'w8a8_row' bytes of 'qweight' uses unknown name 'colz' (accepted: cols, group, numel, rows)"),
+    ('bytes: {qweight: "rows*cols", scale: "4*rows"}', 'bytes: {qweight: "rows*cols", scale: "4*rows*cols/group"}',
+     "format 'w8a8_row' bytes of 'scale' uses 'group' but the format names no `group` config key"),
     ("runs_as: w8a8_row", "runs_as: w8a9_row", "format 'mxfp4_packed' runs as unknown format 'w8a9_row'"),
 ])
 def test_runtime_format_sizes_are_checked(tmp_path, old, new, message):

@@ -10,6 +10,7 @@ import torch
 
 from backends.ascend310p import device
 from backends.common import hc, moe
+from lib import parallel
 from lib.placement import ExpertPlacement
 from lib.wformats import W8A8, PackedFP4, packed_fp4_to_w8a8
 
@@ -53,6 +54,19 @@ def grouped_linear_w8a8(x, weight: W8A8, groups: int):
     group_list = torch.arange(1, groups + 1, dtype=torch.int64) * t                # cumulative (L07)
     y = _grouped(xg, wg, group_list)                                               # [G*T, R]
     return y.reshape(groups, t, -1).transpose(0, 1).reshape(t, -1)
+
+
+def o_proj_w8a8(x, weight: W8A8, groups: int, group=None):
+    """wo_b as one grouped W8A8 GEMM over its o_groups (weight: w8a8_group, [G, d, R] + [G, d]).
+    Rows are (group, token), so the op's per-row dynamic quantisation scales each group's vector
+    alone, as the field's TP=8 ranks (one group each) did; the fp16 group products are summed in
+    fp32 (exact unless they span more than ~10 binades) over the groups and the TP ranks, rounded
+    to fp16 once."""
+    t = x.shape[0]
+    xg = x.to(DTYPE).reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)    # rows grouped by g
+    group_list = torch.arange(1, groups + 1, dtype=torch.int64) * t                    # cumulative (L07)
+    y = _grouped(xg, weight, group_list)                                               # [G*T, d] fp16
+    return parallel.all_reduce(y.reshape(groups, t, -1).float().sum(0), group).to(DTYPE)
 
 
 def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):

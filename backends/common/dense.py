@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lib import parallel
 from lib.invariant import matmul
 
 
@@ -57,6 +58,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     xg = x.to(weight.dtype).reshape(t, groups, -1)
     wg = weight.reshape(groups, -1, xg.shape[-1])
     return torch.cat([matmul(xg[:, g], wg[g].t()) for g in range(groups)], dim=-1)
+
+
+def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> torch.Tensor:
+    """wo_b with a dense weight [d, G*R]: each group's product in the weight's dtype (rounded as a
+    TP rank holding that one group would round it), the products summed in fp32 over the groups
+    and the TP ranks, rounded once. An fp32 sum of at most o_groups bf16/fp16 values is exact
+    unless they span more than ~13 binades, so the TP split does not change the result."""
+    t = x.shape[0]
+    xg = x.to(weight.dtype).reshape(t, groups, -1)                       # [T, G, R]
+    wg = weight.reshape(weight.shape[0], groups, -1)                     # [d, G, R]
+    total = sum(matmul(xg[:, g], wg[:, g].t()).float() for g in range(groups))
+    return parallel.all_reduce(total, group).to(weight.dtype)
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -45,11 +45,10 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
 
 
-def local_routes(ids: torch.Tensor, weights: torch.Tensor, local_of: torch.Tensor, n_local: int):
-    """Global expert ids -> this rank's local ids; routes to other ranks go to the dummy slot
-    `n_local` with weight 0 (L06)."""
-    local = local_of.index_select(0, ids.flatten()).view_as(ids)                 # [T, k] int32
-    return local, torch.where(local < n_local, weights, torch.zeros_like(weights))
+def local_ids(ids: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
+    """Global expert ids [T, k] -> this rank's local ids; other ranks' experts map to the dummy slot
+    `n_local` (L06)."""
+    return local_of.index_select(0, ids.flatten()).view_as(ids)                 # [T, k] int32
 
 
 def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
@@ -61,35 +60,41 @@ def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_ro
                 dtype: torch.dtype, unpermute_multiple: int = 1) -> torch.Tensor:
     """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
     EP group when there is one (lib/ep.py)."""
-    def partial(xs, ws, es):
-        return _grouped_partial(xs, ws, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm,
-                                unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
-    return ep.exchange(placement, x, weights, ids, partial, dtype)
+    def rows(xs, es):
+        return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype)
+
+    def combine(pair_rows, ws):
+        return _combine(pair_rows, ws, unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
+    return ep.exchange(placement, x, weights, ids, ep.Experts(rows, combine, dtype, dtype))
 
 
-def _grouped_partial(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
-                     dtype: torch.dtype, unpermute_multiple: int) -> torch.Tensor:
-    """fp32 sum over the EP ranks this process runs (one normally; all when EP is simulated). Per
-    rank: local ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05),
-    weighted combine; a hidden size the unpermute op refuses falls back to an index_select
-    combine (L08)."""
+def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, dtype: torch.dtype) -> torch.Tensor:
+    """[T*k, d] expert rows of the (token, expert) pairs, t-major, for the EP ranks this process runs
+    (one normally; all when EP is simulated); zero rows for pairs held elsewhere. Per rank: local
+    ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05): a pair routed
+    to the dummy slot reads a zeroed tail row, so adding the ranks' rows is exact."""
     from lib.placement import rank_experts
 
     t, k = ids.shape
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(t * k, x.shape[-1], dtype=dtype)
     for rank in placement.ranks:
         m1, m3, m2 = (rank_experts(w, placement, rank) for w in (w1, w3, w2))
-        local, probs = local_routes(ids, weights, placement.local_of[rank], placement.n_local)
+        local = local_ids(ids, placement.local_of[rank])
         expanded, row_idx, cumsum, _ = init_routing(
             x.to(dtype), local, active_num=t * k, expert_num=placement.n_local + 1, expert_tokens_num_type=0,
             expert_tokens_num_flag=True)
         group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
         act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit)
-        down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d]
+        down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d], sorted by local expert
         down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
-        if x.shape[-1] % unpermute_multiple == 0:
-            out = out + unpermute(down, row_idx, probs.to(dtype)).float()
-        else:
-            rows = down.float().index_select(0, row_idx).reshape(t, k, -1)
-            out = out + (rows * probs.float().unsqueeze(-1)).sum(1)
+        out = out + down.index_select(0, row_idx)                  # pair p's row (row_idx: [pair] -> row)
     return out
+
+
+def _combine(rows, weights, *, unpermute, dtype: torch.dtype, unpermute_multiple: int) -> torch.Tensor:
+    """Each token's weighted sum of its k pair rows [T*k, d] (t-major) with the device's unpermute
+    op (identity order); a hidden size the op refuses falls back to an fp32 sum (L08)."""
+    t, k = weights.shape
+    if rows.shape[-1] % unpermute_multiple == 0:
+        return unpermute(rows, torch.arange(t * k, dtype=torch.int32), weights.to(dtype))
+    return (rows.float().reshape(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(dtype)

@@ -66,8 +66,8 @@ def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
 
 
 # Up to this many (token, expert) pairs, run each pair on its own requantised expert (decode);
-# above it, requantise the rank's experts once and run every expert over all tokens with zero
-# weight where not routed (prefill): both have fixed shapes, so neither needs a host sync.
+# above it, requantise the rank's experts once, run every expert over all tokens and keep its
+# rows where routed (prefill): both have fixed shapes, so neither needs a host sync.
 PAIRWISE_MAX = 64
 
 
@@ -75,28 +75,34 @@ def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4,
                    limit: float):
     """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
     exchanged over the EP group when there is one (lib/ep.py)."""
-    return ep.exchange(placement, x, weights, ids, lambda xs, ws, es: _routed_partial(xs, ws, es, w1, w3, w2,
-                                                                                      placement, limit), DTYPE)
+    return ep.exchange(placement, x, weights, ids, ep.Experts(
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit), _combine, torch.float32, DTYPE))
 
 
-def _routed_partial(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
-                    limit: float) -> torch.Tensor:
-    """fp32 sum over the EP ranks this process runs."""
+def _combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its k fp32 pair rows, rounded once to bf16."""
+    t, k = weights.shape
+    return (rows.reshape(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(DTYPE)
+
+
+def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
+                 limit: float) -> torch.Tensor:
+    """fp32 [T*k, d] expert rows of the (token, expert) pairs held by the EP ranks this process runs
+    (zero elsewhere: other ranks' experts map to the dummy zero expert, L06)."""
     t, k = ids.shape
     xq, xs = _quant_tokens(x)
-    out = torch.zeros(t, x.shape[-1], dtype=torch.float32)
+    rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
     for rank in placement.ranks:
-        local, probs = moe.local_routes(ids, weights, placement.local_of[rank], placement.n_local)
+        local = moe.local_ids(ids, placement.local_of[rank])
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t * k <= PAIRWISE_MAX:
             for j in range(k):
                 g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j])) for w in mats)
                 for i in range(t):
-                    row = slice(i, i + 1)
-                    out[row] = out[row] + probs[row, j:j + 1].float() * _expert(xq[row], xs[row], g1, g3, g2, i, limit)
+                    rows[i, j] = rows[i, j] + _expert(xq[i:i + 1], xs[i:i + 1], g1, g3, g2, i, limit)[0]
             continue
         g1, g3, g2 = (packed_fp4_to_w8a8(w) for w in mats)
         for e in range(placement.n_local):
-            gate = (probs.float() * (local == e)).sum(-1, keepdim=True)            # [T, 1], 0 where not routed
-            out = out + gate * _expert(xq, xs, g1, g3, g2, e, limit)
-    return out
+            y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
+            rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)
+    return rows.reshape(t * k, -1)

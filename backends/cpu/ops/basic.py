@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lib import parallel
+
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in fp64, rounded to fp32."""
@@ -64,6 +66,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     xg = x.double().reshape(t, groups, -1)                         # [T, G, H/G*D]
     wg = weight.double().reshape(groups, -1, xg.shape[-1])         # [G, R, H/G*D]
     return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1).float()   # [T, G*R]
+
+
+def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> torch.Tensor:
+    """wo_b (§3.6 step 8): x [T, G*R] -> [T, d], summed over this rank's G groups in fp64 and then
+    over the TP group (all-reduce in fp64) before the one rounding to fp32."""
+    t = x.shape[0]
+    xg = x.double().reshape(t, groups, -1)                            # [T, G, R]
+    wg = weight.double().reshape(weight.shape[0], groups, -1)         # [d, G, R]
+    return parallel.all_reduce(torch.einsum("tgr,dgr->td", xg, wg), group).float()
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -62,15 +62,23 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
 
     `placement` (EP) decides where experts run, not what they compute: a process holding only its
-    EP rank's experts computes their share, and lib/ep.py sums the ranks' shares."""
-    return ep.exchange(placement, x, weights, ids,
-                       lambda xs, ws, es: _routed(xs, ws, es, w1, w3, w2, placement, limit), torch.float32)
+    EP rank's experts computes their pairs' rows, and lib/ep.py brings every token its rows."""
+    return ep.exchange(placement, x, weights, ids, ep.Experts(
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit), _combine, torch.float64, torch.float32))
 
 
-def _routed(x, weights, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
+def _combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    t, k = weights.shape
+    return (rows.reshape(t, k, -1) * weights.double().unsqueeze(-1)).sum(1).float()
+
+
+def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
+    """fp64 [T*k, d] expert rows of the (token, expert) pairs, t-major; zero for pairs whose expert
+    another EP rank holds."""
+    held = None
     if placement.ep_size > 1 and len(placement.ranks) == 1:     # one EP rank's share of a real EP group
         local = placement.local_of[placement.ranks[0]].index_select(0, ids.reshape(-1)).view_as(ids).long()
-        weights = torch.where(local < placement.n_local, weights, 0.0)    # other ranks' routes weigh 0
+        held = local < placement.n_local
         if w1.shape[0] == placement.n_local:        # only this rank's experts are loaded: local ids
             ids = local.clamp(max=placement.n_local - 1)
     x = x.double()
@@ -80,11 +88,11 @@ def _routed(x, weights, ids, w1, w3, w2, placement, limit: float) -> torch.Tenso
         xs = x.repeat_interleave(k, dim=0)                                         # [T*k, d]
         g1, g3, g2 = (w.index_select(0, flat).double() for w in (w1, w3, w2))   # [T*k, ...]
         act = clipped_swiglu(torch.einsum("pd,pid->pi", xs, g1), torch.einsum("pd,pid->pi", xs, g3), limit)
-        y = torch.einsum("pi,pdi->pd", act, g2) * weights.reshape(-1, 1).double()
-        return y.reshape(t, k, -1).sum(1)
-    out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == e)
-        y = _expert(x[token], w1[e], w3[e], w2[e], limit) * weights[token, slot, None].double()
-        out = out.index_add(0, token, y)
-    return out
+        rows = torch.einsum("pi,pdi->pd", act, g2)
+    else:
+        rows = x.new_zeros(t * k, x.shape[-1])
+        run = ids if held is None else torch.where(held, ids, -1)
+        for e in torch.unique(run[run >= 0]).tolist():
+            token, slot = torch.where(run == e)
+            rows = rows.index_copy(0, token * k + slot, _expert(x[token], w1[e], w3[e], w2[e], limit))
+    return rows if held is None else torch.where(held.reshape(-1, 1), rows, 0.0)
