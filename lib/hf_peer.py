@@ -1,7 +1,9 @@
-"""transformers 5.23.0 DeepseekV4ForCausalLM as an independent numerical oracle.
+"""transformers 5.23.0 DeepseekV4ForCausalLM: the independent peer, loaded from our checkpoints.
 
-Loads an official-format checkpoint (FP8/FP4 + E8M0 scales, official key names) through
-the real HF loader, dequantized on CPU, and returns fp32 logits (DSV4-REFERENCE §7).
+Loads an official-format checkpoint (FP8/FP4 + E8M0 scales, official key names) through the real
+HF loader, dequantized on CPU, in fp32 (DSV4-REFERENCE §7). The parity tests use it as the
+numerical oracle and `dsv4gen bench` as the speed baseline on the same weights. Must not know
+about our runtime: it only reads the checkpoint folder.
 """
 import json
 import math
@@ -138,3 +140,49 @@ def hf_incremental_logits(model, ids: list[int], n_prefill: int) -> torch.Tensor
         out.append(model(input_ids=torch.tensor([[ids[t]]]), position_ids=torch.tensor([[t]]),
                          past_key_values=cache, use_cache=True).logits[0])
     return torch.cat(out).float()
+
+
+# ---- what `dsv4gen bench` runs on the peer ----------------------------------------------------------------
+PEER_VERSION = "5.23.0"
+
+
+def missing_peer() -> list[str]:
+    """Requirements for loading the peer that this environment lacks, as pip requirement strings."""
+    import importlib.metadata as md
+
+    missing = []
+    for dist, want in (("transformers", PEER_VERSION), ("accelerate", None)):
+        try:
+            found = md.version(dist)
+        except md.PackageNotFoundError:
+            missing.append(f"{dist}=={want}" if want else dist)
+            continue
+        if want and found != want:
+            missing.append(f"{dist}=={want} (found {found})")
+    return missing
+
+
+@torch.no_grad()
+def hf_prefill(model, ids: list[list[int]], chunk: int):
+    """Prefill equal-length prompts [B, T] in `chunk`-token pieces through HF's own cache.
+
+    Returns (last-position logits [B, vocab], cache). Chunking is HF's own incremental path
+    (cache + position_ids), the same split our engine makes; one 8K-token forward would build
+    the eager [T, T + entries] attention matrices (~21 GB and ~15x slower on this machine)."""
+    tokens = torch.tensor(ids)
+    cache, logits = None, None
+    for lo in range(0, tokens.shape[1], chunk):
+        part = tokens[:, lo: lo + chunk]
+        positions = torch.arange(lo, lo + part.shape[1]).expand(part.shape[0], -1)
+        out = model(input_ids=part, position_ids=positions, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+    return logits.float(), cache
+
+
+@torch.no_grad()
+def hf_decode_step(model, tokens: list[int], position: int, cache):
+    """One greedy decode step for B sequences all at `position`: (logits [B, vocab], cache)."""
+    out = model(input_ids=torch.tensor(tokens)[:, None], position_ids=torch.full((len(tokens), 1), position),
+                past_key_values=cache, use_cache=True)
+    return out.logits[:, -1].float(), out.past_key_values

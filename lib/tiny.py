@@ -105,19 +105,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("DSV4GEN_CACHE", Path.home() / ".cache" / "dsv4gen"))
 
 
-def embedded_tiny() -> Path:
-    """The embedded tiny checkpoint: made deterministically on first use, then reused.
-
-    The folder name hashes everything that determines its bytes (spec files, preset, seed,
-    maker version), so a spec change makes a new one instead of silently reusing a stale one.
-    """
-    h = hashlib.sha256(f"{MAKER_VERSION}:{TINY_SEED}".encode())
+def maker_hash(key: str) -> str:
+    """A short hash of `key` and of everything a made checkpoint's bytes depend on (spec files,
+    maker version), so a spec change names a new cached checkpoint instead of reusing a stale one."""
+    h = hashlib.sha256(f"{MAKER_VERSION}:{key}".encode())
     lib_dir = Path(__file__).resolve().parent
     sources = [SPEC_DIR / "quant.yaml", SPEC_DIR / "tensors.yaml", SPEC_DIR / "models" / "deepseek-v4-flash.yaml",
                lib_dir / "tiny.py", lib_dir / "tokenizer.py", lib_dir / "codecs.py", lib_dir / "formats.py"]
     for source in sources:
         h.update(source.read_bytes())
-    path = cache_root() / f"tiny-{h.hexdigest()[:16]}"
+    return h.hexdigest()[:16]
+
+
+def embedded_tiny() -> Path:
+    """The embedded tiny checkpoint: made deterministically on first use, then reused."""
+    path = cache_root() / f"tiny-{maker_hash(str(TINY_SEED))}"
     if not (path / "config.json").exists():
         make_tiny(path, overwrite=True)
     return path

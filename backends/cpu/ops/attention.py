@@ -22,7 +22,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
     w < (t + 1) / ratio.
     """
     ws = weights.double() * weight_scale
-    scores = (ws.unsqueeze(-1) * torch.relu(torch.einsum("thd,ed->the", q.double(), keys.double()))).sum(1)
+    # [n, Hi, E] is the one tensor that grows with context (E = L / ratio): made once, ReLU'd in
+    # place and contracted over heads by a batched matmul, never copied again
+    relu = torch.einsum("thd,ed->the", q.double(), keys.double()).relu_()
+    scores = torch.einsum("th,the->te", ws, relu)
     visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
     return torch.where(visible, scores, float("-inf"))
 
@@ -67,21 +70,36 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: l
         key_pos = torch.arange(seg.start - old.shape[0], seg.start + seg.hi - seg.lo)
         pos = batch.positions[seg.lo:seg.hi]
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
-        if entries is not None:
+        if entries is not None and selection is None:                           # HCA: every complete entry
             comp = entries[seg.index].float()
             visible = torch.arange(comp.shape[0])[None, :] < ((pos + 1) // ratio)[:, None]
-            if selection is not None:
-                chosen = torch.zeros(pos.shape[0], comp.shape[0] + 1, dtype=torch.bool)
-                sel = selection[seg.lo:seg.hi]
-                chosen = chosen.scatter(1, torch.where(sel >= 0, sel, comp.shape[0]), True)[:, :-1]
-                visible = visible & chosen
             keys = torch.cat((keys, comp))
             mask = torch.cat((mask, visible), dim=1)
-        logits = torch.einsum("thd,kd->thk", q[seg.lo:seg.hi].double(), keys.double()) / d ** 0.5
-        logits = torch.where(mask[:, None, :], logits, float("-inf"))
-        out[seg.lo:seg.hi] = (_softmax_with_sink(logits, sink.double()) @ keys.double()).float()
+        qs, keys = q[seg.lo:seg.hi].double(), keys.double()
+        logits = torch.where(mask[:, None, :], torch.einsum("thd,kd->thk", qs, keys) / d ** 0.5, float("-inf"))
+        if selection is None:
+            o = _softmax_with_sink(logits, sink.double()) @ keys
+        else:
+            # CSA: score each query's k selected entries only, gathered per query. Scoring every
+            # entry and masking all but k would grow a chunk's work with the context (E = L / 4).
+            picked, chosen = _selected(entries[seg.index], selection[seg.lo:seg.hi], pos, ratio)
+            sel_logits = torch.einsum("thd,tkd->thk", qs, picked) / d ** 0.5    # [n, H, k]
+            sel_logits = torch.where(chosen[:, None, :], sel_logits, float("-inf"))
+            p = _softmax_with_sink(torch.cat((logits, sel_logits), dim=-1), sink.double())
+            o = p[..., : keys.shape[0]] @ keys + torch.einsum("thk,tkd->thd", p[..., keys.shape[0]:], picked)
+        out[seg.lo:seg.hi] = o.float()
         new_windows.append(torch.cat((old, kv[seg.lo:seg.hi].float()))[-window:])
     return out, new_windows
+
+
+def _selected(comp: torch.Tensor, selection: torch.Tensor, pos: torch.Tensor, ratio: int):
+    """Each query's selected entries [n, k, D] (fp64) and which of them count [n, k]: a real
+    selection (not -1) of an entry already complete at the query's position."""
+    if comp.shape[0] == 0:
+        none = torch.zeros_like(selection, dtype=torch.bool)
+        return torch.zeros(*selection.shape, comp.shape[-1], dtype=torch.float64), none
+    ids = selection.clamp(min=0)
+    return comp.double()[ids], (selection >= 0) & (ids < ((pos + 1) // ratio)[:, None])
 
 
 def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
