@@ -58,7 +58,8 @@ def wide_ckpt(tmp_path_factory):
                      overrides={"o_groups": 4, "o_lora_rank": 128, "index_head_dim": 64})
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("ascend310p", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["cpu"] + [pytest.param(b, marks=pytest.mark.slow)
+                                                for b in ("ascend310p", "ascend910", "hip936")])
 def test_tp4_decodes_like_one_process(wide_ckpt, backend):
     for r in parallel_check.check(wide_ckpt, backend, 4, 1, "allgather", steps=STEPS, prompts=PROMPTS[:1]):
         assert r.first_difference is None, r.line()
