@@ -2,8 +2,8 @@
 process, the field's TP/EP bugs re-introduced are caught, and the CLI refuses what cannot split.
 
 Each check launches the ranks the way `dsv4gen run --tensor-parallel-size T` does (lib/launch.py).
-CI runs every layout on cpu and one device layout; `-m slow` runs the whole matrix (about 6 minutes
-per device layout on 2 cores). Device layouts are exact because no rank rounds a partial sum: the
+CI runs every layout on cpu and a short 310P TP=2+EP=2 check; `-m slow` runs the whole matrix (about
+6 minutes per device layout on 2 cores). Device layouts are exact because no rank rounds a partial sum: the
 EP exchange moves pair rows and combines once (lib/ep.py), and wo_b sums its per-group products
 over groups and TP ranks before its one rounding (`o_proj`).
 """
@@ -22,11 +22,9 @@ from lib.cli import main as dsv4gen
 STEPS = 64
 PROMPTS = parallel_check.DEFAULT_PROMPTS[:2]
 LAYOUTS = [(1, 2, "allgather"), (2, 1, "allgather"), (2, 2, "alltoall")]
-FAST = {("cpu", 1, 2, "allgather"), ("cpu", 2, 1, "allgather"), ("cpu", 2, 2, "alltoall"),
-        ("hip936", 1, 2, "alltoall")}
-MATRIX = [pytest.param(b, tp, ep, d, marks=() if (b, tp, ep, d) in FAST else pytest.mark.slow)
+MATRIX = [pytest.param(b, tp, ep, d, marks=() if b == "cpu" else pytest.mark.slow)
           for b in ("cpu", "ascend310p", "ascend910", "hip936") for tp, ep, d in LAYOUTS] + \
-         [pytest.param("hip936", 1, 2, "alltoall")]       # the profile's dispatch
+         [pytest.param("hip936", 1, 2, "alltoall", marks=pytest.mark.slow)]       # the profile's dispatch
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +40,15 @@ def test_layout_decodes_like_one_process_with_and_without_dspark(tiny_ckpt, refe
     for r in results:
         assert r.first_difference is None, r.line()
         assert all(len(tokens) == STEPS for tokens in r.parallel)
+
+
+def test_device_tp_and_ep_together_decode_like_one_process(tiny_ckpt):
+    """CI's device layout (the full matrix is -m slow): 310P with TP=2 and EP=2 over all-to-all, so
+    both the per-group wo_b sum and the pair-row exchange run, 16 steps of one prompt."""
+    results = parallel_check.check(tiny_ckpt, "ascend310p", 2, 2, "alltoall", steps=16, prompts=PROMPTS[:1])
+    assert [r.speculative for r in results] == ["none", "dspark"]
+    for r in results:
+        assert r.first_difference is None, r.line()
 
 
 def test_tp4_is_refused_where_the_config_does_not_divide(tiny_ckpt, capsys):
