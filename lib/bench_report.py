@@ -19,7 +19,8 @@ def progress_line(row: dict, elapsed: float) -> str:
     if row["status"] != "ok":
         return f"{head}: not run ({row['reason']})"
     steps = f", {row['decode_steps']} steps" if row.get("decode_steps") else ""
-    return f"{head}: {row['tokens_per_s']:8.1f} tokens/s ({row['seconds']:.2f} s{steps})"
+    run = f", pass {row['run']}" if row.get("run") else ""
+    return f"{head}: {row['tokens_per_s']:8.1f} tokens/s ({row['seconds']:.2f} s{steps}{run})"
 
 
 def _agree(row: dict) -> str:

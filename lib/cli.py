@@ -209,9 +209,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from lib.checkpoint import CheckpointError
+    from lib.hostmem import keep_freed_memory
     from spec.yamlio import SpecError
 
     argv = sys.argv[1:] if argv is None else argv
+    keep_freed_memory()                          # lib/hostmem.py: large temporaries reuse the heap
     if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
         from serve.cli import main as serve_main
         return serve_main(argv[1:])

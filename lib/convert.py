@@ -15,5 +15,9 @@ def to_dense_f32(storage: str, parts: dict[str, torch.Tensor], cfg: ModelConfig)
     return formats.decode(storage, parts, cfg).float().contiguous()
 
 
+def to_dense_f64(storage: str, parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    return formats.decode(storage, parts, cfg).double().contiguous()
+
+
 def to_index_i64(storage: str, parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     return formats.decode(storage, parts, cfg).long().contiguous()

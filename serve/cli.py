@@ -136,9 +136,11 @@ def server_for(prepared: Prepared, log_level: str = "warning", announce=None):
 
 def main(argv: list[str] | None = None) -> int:
     from lib.checkpoint import CheckpointError
+    from lib.hostmem import keep_freed_memory
     from spec.yamlio import SpecError
 
     args = parser().parse_args(argv)
+    keep_freed_memory()                          # lib/hostmem.py: large temporaries reuse the heap
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         prepared = prepare(argv)

@@ -21,7 +21,7 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     rc = main(["bench", "--out", str(out), "--model", str(tiny_ckpt), "--scaling-model", str(tiny_ckpt),
                "--backends", "cpu,ascend310p", "--prefill", "24,48", "--device-prefill", "24",
                "--decode-batches", "1,2", "--decode-context", "20", "--decode-steps", "2",
-               "--device-decode-steps", "1", "--scaling", "32,64,128"])
+               "--device-decode-steps", "1", "--scaling", "32,64,128", "--scaling-repeats", "2"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert torch.get_num_threads() == threads                       # the bench restores the thread count
@@ -59,6 +59,8 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     scaling = result["scaling"]
     assert scaling["sizes"] == [32, 64, 128] and len(scaling["seconds"]) == 3
     s = scaling["seconds"]
+    assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 2]
+    assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest pass per length
     assert scaling["per_doubling"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
 
 

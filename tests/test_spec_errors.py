@@ -400,7 +400,7 @@ def test_profile_unknown_runtime_format(tmp_path):
 
 
 def test_profile_unknown_default_runtime_format(tmp_path):
-    p = profile(tmp_path, "  default: dense_f32", "  default: dense_f8")
+    p = profile(tmp_path, "  default: dense_f64", "  default: dense_f8")
     accepted = ", ".join(load_runtime_formats().formats)
     assert error_of(load_profile, "cpu", p) == (
         f"{p}:{line(p, 'dense_f8')}: unknown runtime format 'dense_f8' (accepted: {accepted})")

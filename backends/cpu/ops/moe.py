@@ -51,12 +51,6 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     return _expert(x.double(), w1, w3, w2, limit).float()
 
 
-# Up to this many (token, expert) pairs, gather each pair's expert weights and contract them
-# directly (decode: fixed shapes, no host sync); above it, loop over the experts actually hit
-# (prefill: far less work than gathering one weight copy per pair).
-GATHER_MAX_PAIRS = 64
-
-
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w3: torch.Tensor, w2: torch.Tensor, placement, limit: float) -> torch.Tensor:
     """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
@@ -83,16 +77,46 @@ def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
             ids = local.clamp(max=placement.n_local - 1)
     x = x.double()
     t, k = ids.shape
-    if t * k <= GATHER_MAX_PAIRS:
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(k, dim=0)                                         # [T*k, d]
-        g1, g3, g2 = (w.index_select(0, flat).double() for w in (w1, w3, w2))   # [T*k, ...]
-        act = clipped_swiglu(torch.einsum("pd,pid->pi", xs, g1), torch.einsum("pd,pid->pi", xs, g3), limit)
-        rows = torch.einsum("pi,pdi->pd", act, g2)
+    run = ids if held is None else torch.where(held, ids, -1)
+    if t * k < w1.shape[0]:
+        rows = _pair_rows(x, ids, w1, w3, w2, limit)
+    elif t <= DENSE_MAX_TOKENS:
+        rows = _dense_rows(x, ids, w1, w3, w2, limit)
     else:
-        rows = x.new_zeros(t * k, x.shape[-1])
-        run = ids if held is None else torch.where(held, ids, -1)
-        for e in torch.unique(run[run >= 0]).tolist():
-            token, slot = torch.where(run == e)
-            rows = rows.index_copy(0, token * k + slot, _expert(x[token], w1[e], w3[e], w2[e], limit))
+        rows = _hit_expert_rows(x, run, w1, w3, w2, limit)
     return rows if held is None else torch.where(held.reshape(-1, 1), rows, 0.0)
+
+
+# Three ways to the same rows; which one runs follows from shapes alone, so a decode step stays
+# free of host syncs (tests/test_launches.py) and the choice never depends on the routing:
+# - fewer pairs than experts (batch-1 decode): copy each pair's expert out of the fp64 weights;
+# - a decode batch (up to DENSE_MAX_TOKENS tokens): every expert on every token, picked by id,
+#   which reads each expert's weights once instead of copying one per pair;
+# - a prefill chunk: one pass per expert hit, over its rows (the expert list is a host sync).
+# Per-token results differ between them only in fp64 summation order, far below the fp32
+# rounding of the combined output (basic.py).
+DENSE_MAX_TOKENS = 64
+
+
+def _pair_rows(x, ids, w1, w3, w2, limit: float) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(ids.shape[1], dim=0)                                       # [P, d]
+    g1, g3, g2 = (w.index_select(0, flat) for w in (w1, w3, w2))                        # [P, ...]
+    act = clipped_swiglu(torch.einsum("pd,pid->pi", xs, g1), torch.einsum("pd,pid->pi", xs, g3), limit)
+    return torch.einsum("pi,pdi->pd", act, g2)
+
+
+def _dense_rows(x, ids, w1, w3, w2, limit: float) -> torch.Tensor:
+    act = clipped_swiglu(torch.einsum("td,eid->eti", x, w1), torch.einsum("td,eid->eti", x, w3), limit)
+    every = torch.einsum("eti,edi->etd", act, w2)                                       # [E, T, d]
+    token = torch.arange(ids.shape[0]).repeat_interleave(ids.shape[1])                 # [P]
+    return every[ids.reshape(-1), token]
+
+
+def _hit_expert_rows(x, run, w1, w3, w2, limit: float) -> torch.Tensor:
+    k = run.shape[1]
+    rows = x.new_zeros(run.numel(), x.shape[-1])
+    for e in torch.unique(run[run >= 0]).tolist():
+        token, slot = torch.where(run == e)
+        rows.index_copy_(0, token * k + slot, _expert(x[token], w1[e], w3[e], w2[e], limit))
+    return rows
