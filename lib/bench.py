@@ -12,17 +12,16 @@ Printing and plotting live in lib/bench_report.py.
 from __future__ import annotations
 
 import gc
-import math
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from lib import bench_scaling
 from lib.bench_engines import Ours, Peer, Timed
 from lib.bench_models import prompts as make_prompts
 
 PEER = "transformers"
 REFERENCE = "cpu"              # the backend that must agree with transformers (BRIEF §3)
 DECISIVE = 1e-3                # a top-2 logit gap above fp32 noise of two implementations (~1e-5)
-SCALING_TARGET = 2.2           # prefill cost per doubling of context, issue 7
 
 
 class Plan(NamedTuple):
@@ -114,32 +113,6 @@ def _compare(rows: list[dict]) -> None:
             not ok and m > DECISIVE for ok, m in zip(first, base["margins"]))
 
 
-def _scaling(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int, log) -> dict:
-    """`repeats` passes over all lengths (not `repeats` runs of one length back to back), the fastest
-    run of each length kept: a burst of load on the shared machine then costs one run of one length,
-    not the ratio between two neighbouring lengths."""
-    engine = Ours(path, REFERENCE, chunk)
-    vocab = engine.model.cfg.vocab_size
-    engine.prefill(make_prompts(vocab, 1, min(sizes), seed=99)[0])            # warm-up
-    runs: list[list[float]] = [[] for _ in sizes]
-    for attempt in range(repeats):
-        for n, size in enumerate(sizes):
-            t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
-            runs[n].append(t)
-            log({"engine": REFERENCE, "phase": "scaling", "size": size, "status": "ok", "run": attempt + 1,
-                 "seconds": t, "tokens_per_s": size / t})
-    seconds = [min(r) for r in runs]
-    # (t2 / t1) ** (1 / log2(n2 / n1)): the plain ratio when the sizes double, comparable otherwise
-    per_doubling = [(b / a) ** (1 / math.log2(m / n)) for a, b, n, m in zip(seconds, seconds[1:], sizes, sizes[1:])]
-    engine.close()
-    return {"backend": REFERENCE, "checkpoint": str(path), "sizes": list(sizes), "seconds": seconds,
-            "seconds_all": runs,
-            "tokens_per_s": [s / t for s, t in zip(sizes, seconds)], "per_doubling": per_doubling,
-            "max_per_doubling": max(per_doubling, default=None), "target_per_doubling": SCALING_TARGET,
-            "meets_target": all(r <= SCALING_TARGET for r in per_doubling),
-            "load_s": engine.load_s}
-
-
 def run(plan: Plan, model: Path, scaling_model: Path | None, log) -> dict:
     """Every row of the plan, then the scaling series; `log(row)` is called as each row finishes."""
     engines = [Peer(model, plan.chunk)] + [Ours(model, name, plan.chunk) for name in plan.backends]
@@ -155,7 +128,9 @@ def run(plan: Plan, model: Path, scaling_model: Path | None, log) -> dict:
     _compare(rows)
     order = {name: i for i, name in enumerate((PEER, *plan.backends))}
     rows.sort(key=lambda r: (order[r["engine"]], r["phase"] != "prefill", r["size"]))
-    scaling = _scaling(scaling_model, plan.scaling, plan.chunk, plan.scaling_repeats, log) if scaling_model and plan.scaling else None
+    scaling = None
+    if scaling_model and plan.scaling:
+        scaling = bench_scaling.in_fresh_process(scaling_model, plan.scaling, plan.chunk, plan.scaling_repeats, log)
     failures = [r for r in rows if r.get("first_token_contradicts_decisive_peer") and r["engine"] == REFERENCE]
     return {"rows": rows, "load_s": load_s, "scaling": scaling,
             "reference_agrees": not failures,

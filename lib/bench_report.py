@@ -56,6 +56,9 @@ def scaling_table(scaling: dict) -> str:
     ratios = [None, *scaling["per_doubling"]]
     for n, t, rate, r in zip(scaling["sizes"], scaling["seconds"], scaling["tokens_per_s"], ratios):
         lines.append(f"{n:>8}  {t:>9.2f}  {rate:>9.1f}  {'-' if r is None else f'{r:.2f}x':>14}")
+    if scaling.get("per_doubling_first_to_last"):
+        lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_first_to_last']:.2f}x per "
+                     f"doubling on average; fastest of {len(scaling['seconds_all'][0])} passes per length")
     return "\n".join(lines)
 
 

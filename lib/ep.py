@@ -34,6 +34,13 @@ class Experts(NamedTuple):
     out_dtype: torch.dtype                                           # what `combine` returns
 
 
+def weighted_sum(rows: torch.Tensor, weights: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """A combine for backends without an unpermute op: each token's weighted sum of its k pair rows
+    [T*k, d], in the rows' dtype, rounded once to `out_dtype` -> [T, d]."""
+    t, k = weights.shape
+    return (rows.reshape(t, k, -1) * weights.to(rows.dtype).unsqueeze(-1)).sum(1).to(out_dtype)
+
+
 def exchange(placement, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     """[T, d] routed output for x [T, d], routing weights / global expert ids [T, k]."""
     group = getattr(placement, "group", None)

@@ -45,6 +45,12 @@ def expert_placement(n_experts: int, ep_size: int = 1, rank: int = 0, simulate: 
     return ExpertPlacement(n_experts, ep_size, ranks, torch.stack(rows).to(torch.int32))
 
 
+def local_ids(ids: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
+    """Global expert ids [T, k] -> one rank's local slots (`local_of` is that rank's row); other
+    ranks' experts map to the dummy slot `n_local` (L06)."""
+    return local_of.index_select(0, ids.flatten()).view_as(ids)                 # [T, k] int32
+
+
 def placement_for_block(cfg, layer, options) -> ExpertPlacement:
     """tensors.yaml `derived` builder: the placement of this process's EP rank. Under real EP the
     options carry the rank read from the live process group at load time (lib.parallel.live, B11)."""

@@ -62,6 +62,9 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 2]
     assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest pass per length
     assert scaling["per_doubling"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
+    assert scaling["per_doubling_first_to_last"] == pytest.approx((s[2] / s[0]) ** 0.5)
+    # every run of the series (a process of its own) reached the bench's progress log
+    assert sum(" scaling " in line and ", pass " in line for line in printed.splitlines()) == 3 * 2
 
 
 def test_bench_refuses_clearly_without_its_requirements(monkeypatch, tmp_path, capsys):

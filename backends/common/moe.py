@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lib import ep
 from lib.invariant import matmul
+from lib.placement import local_ids
 
 
 def _scores(x, gate) -> torch.Tensor:
@@ -43,12 +44,6 @@ def route_learned(x, gate, bias, topk: int, route_scale: float):
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(min(gate, L)) * clamp(up, -L, L) in fp32 (B08: the clamp keeps fp16 finite)."""
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
-
-
-def local_ids(ids: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
-    """Global expert ids [T, k] -> this rank's local ids; other ranks' experts map to the dummy slot
-    `n_local` (L06)."""
-    return local_of.index_select(0, ids.flatten()).view_as(ids)                 # [T, k] int32
 
 
 def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:

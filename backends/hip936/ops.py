@@ -8,13 +8,15 @@ module must not know whether `_int_mm` is the real ROCm kernel or the CPU emulat
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from backends.common import hc, moe
 from backends.hip936 import device
 from lib import ep
 from lib.invariant import matmul
-from lib.placement import ExpertPlacement, rank_experts
+from lib.placement import ExpertPlacement, local_ids, rank_experts
 from lib.wformats import PackedFP4, packed_fp4_to_w8a8
 
 DTYPE = torch.bfloat16
@@ -76,13 +78,8 @@ def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4,
     """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
     exchanged over the EP group when there is one (lib/ep.py)."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
-        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit), _combine, torch.float32, DTYPE))
-
-
-def _combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's weighted sum of its k fp32 pair rows, rounded once to bf16."""
-    t, k = weights.shape
-    return (rows.reshape(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(DTYPE)
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
+        functools.partial(ep.weighted_sum, out_dtype=DTYPE), torch.float32, DTYPE))
 
 
 def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
@@ -93,7 +90,7 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
     xq, xs = _quant_tokens(x)
     rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
     for rank in placement.ranks:
-        local = moe.local_ids(ids, placement.local_of[rank])
+        local = local_ids(ids, placement.local_of[rank])
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t * k <= PAIRWISE_MAX:
             for j in range(k):

@@ -6,10 +6,13 @@ Computed in fp64, rounded to fp32 (backends/cpu/ops/basic.py says why).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from lib import ep
+from lib.placement import local_ids
 
 
 def _scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -58,12 +61,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     `placement` (EP) decides where experts run, not what they compute: a process holding only its
     EP rank's experts computes their pairs' rows, and lib/ep.py brings every token its rows."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
-        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit), _combine, torch.float64, torch.float32))
-
-
-def _combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    t, k = weights.shape
-    return (rows.reshape(t, k, -1) * weights.double().unsqueeze(-1)).sum(1).float()
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
+        functools.partial(ep.weighted_sum, out_dtype=torch.float32), torch.float64, torch.float32))
 
 
 def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
@@ -71,7 +70,7 @@ def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
     another EP rank holds."""
     held = None
     if placement.ep_size > 1 and len(placement.ranks) == 1:     # one EP rank's share of a real EP group
-        local = placement.local_of[placement.ranks[0]].index_select(0, ids.reshape(-1)).view_as(ids).long()
+        local = local_ids(ids, placement.local_of[placement.ranks[0]]).long()
         held = local < placement.n_local
         if w1.shape[0] == placement.n_local:        # only this rank's experts are loaded: local ids
             ids = local.clamp(max=placement.n_local - 1)

@@ -1,0 +1,90 @@
+"""`dsv4gen bench`'s scaling series: how the `cpu` backend's prefill cost grows with context.
+
+The series prefills the scaling checkpoint at doubling lengths, `repeats` passes over all lengths
+(not `repeats` runs of one length back to back), and keeps the fastest run of each length: a burst
+of load on a shared machine then costs one run of one length, not the ratio between two
+neighbouring lengths. It runs in a fresh process: after the side-by-side rows the bench process
+holds what five engines left in its heap, and the same series ran up to 10% slower at 16K-32K
+there than in a process of its own (measured on this machine), which is noise, not prefill cost.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import queue as queue_module
+from pathlib import Path
+from typing import Callable
+
+from lib.bench_engines import Ours
+from lib.bench_models import prompts as make_prompts
+
+BACKEND = "cpu"
+TARGET_PER_DOUBLING = 2.2          # issue 7: prefill cost per doubling of context, 1K -> 32K
+
+
+def series(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int, log: Callable[[dict], None]) -> dict:
+    """Prefill seconds per length (fastest of `repeats` passes) and the cost per doubling."""
+    engine = Ours(path, BACKEND, chunk)
+    vocab = engine.model.cfg.vocab_size
+    engine.prefill(make_prompts(vocab, 1, min(sizes), seed=99)[0])            # warm-up
+    runs: list[list[float]] = [[] for _ in sizes]
+    for attempt in range(repeats):
+        for n, size in enumerate(sizes):
+            t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
+            runs[n].append(t)
+            log({"engine": BACKEND, "phase": "scaling", "size": size, "status": "ok", "run": attempt + 1,
+                 "seconds": t, "tokens_per_s": size / t})
+    engine.close()
+    seconds = [min(r) for r in runs]
+    # (t2 / t1) ** (1 / log2(n2 / n1)): the plain ratio when the sizes double, comparable otherwise
+    per_doubling = [(b / a) ** (1 / math.log2(m / n)) for a, b, n, m in zip(seconds, seconds[1:], sizes, sizes[1:])]
+    overall = (seconds[-1] / seconds[0]) ** (1 / math.log2(sizes[-1] / sizes[0])) if len(sizes) > 1 else None
+    return {"backend": BACKEND, "checkpoint": str(path), "sizes": list(sizes), "seconds": seconds,
+            "seconds_all": runs, "tokens_per_s": [s / t for s, t in zip(sizes, seconds)],
+            "per_doubling": per_doubling, "max_per_doubling": max(per_doubling, default=None),
+            "per_doubling_first_to_last": overall, "target_per_doubling": TARGET_PER_DOUBLING,
+            "meets_target": all(r <= TARGET_PER_DOUBLING for r in per_doubling), "load_s": engine.load_s}
+
+
+def _child(path: str, sizes, chunk: int, repeats: int, threads: int, out) -> None:
+    import torch
+
+    from lib.hostmem import keep_freed_memory
+
+    keep_freed_memory()                       # as in the bench process (lib/cli.py)
+    torch.set_num_threads(threads)
+    try:
+        out.put(("done", series(Path(path), tuple(sizes), chunk, repeats, lambda row: out.put(("row", row)))))
+    except BaseException as err:              # reported by the parent, which owns the exit status
+        out.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int,
+                     log: Callable[[dict], None]) -> dict:
+    """`series` in a spawned process with this process's torch thread count; rows reach `log` as
+    they finish. Raises RuntimeError if the child fails or dies."""
+    import torch
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child, args=(str(path), list(sizes), chunk, repeats, torch.get_num_threads(), out),
+                        name="dsv4gen-bench-scaling", daemon=True)
+    child.start()
+    try:
+        while True:
+            try:
+                kind, payload = out.get(timeout=5)
+            except queue_module.Empty:
+                if not child.is_alive():
+                    raise RuntimeError(f"the scaling series process died (exit code {child.exitcode})") from None
+                continue
+            if kind == "row":
+                log(payload)
+            elif kind == "error":
+                raise RuntimeError(f"the scaling series failed: {payload}")
+            else:
+                return payload
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
