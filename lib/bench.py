@@ -35,7 +35,7 @@ class Plan(NamedTuple):
     scaling: tuple[int, ...]            # `cpu` prefill lengths on the scaling checkpoint
     chunk: int = 512                    # prefill chunk (the engine's max_num_batched_tokens)
     repeats: int = 1                    # timed runs per row; the fastest is reported
-    scaling_repeats: int = 2            # passes over the scaling lengths; the fastest per length is kept
+    scaling_repeats: int = 3            # passes over the scaling lengths; the fastest per length is kept
 
 
 def _is_device(engine: str) -> bool:

@@ -74,8 +74,11 @@ def summary(result: dict) -> str:
     if result.get("scaling"):
         sc = result["scaling"]
         lines.append(f"cpu prefill cost per doubling of context, {sc['sizes'][0]} -> {sc['sizes'][-1]} tokens: at most "
-                     f"{sc['max_per_doubling']:.2f}x (goal <= {sc['target_per_doubling']}x: "
-                     f"{'met' if sc['meets_target'] else 'NOT met'})")
+                     f"{sc['max_per_doubling']:.2f}x at one doubling (goal <= {sc['target_per_doubling']}x: "
+                     f"{'met' if sc['meets_target'] else 'NOT met'} at every doubling)")
+        if sc.get("per_doubling_first_to_last"):
+            lines.append(f"  on average over the {len(sc['per_doubling'])} doublings: "
+                         f"{sc['per_doubling_first_to_last']:.2f}x ({'met' if sc['meets_target_on_average'] else 'NOT met'})")
     return "\n".join(lines)
 
 
