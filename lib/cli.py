@@ -213,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     from spec.yamlio import SpecError
 
     argv = sys.argv[1:] if argv is None else argv
-    keep_freed_memory()                          # lib/hostmem.py: large temporaries reuse the heap
     if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
         from serve.cli import main as serve_main
         return serve_main(argv[1:])
+    keep_freed_memory()                          # lib/hostmem.py: large temporaries reuse the heap
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

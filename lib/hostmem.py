@@ -27,9 +27,8 @@ def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds; True if the C library took both settings."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):            # not glibc (musl, macOS): nothing to tune
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):            # no C library found, or one without mallopt (musl, macOS)
         return False
     if mallopt is None:
         return False

@@ -76,13 +76,12 @@ def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
             ids = local.clamp(max=placement.n_local - 1)
     x = x.double()
     t, k = ids.shape
-    run = ids if held is None else torch.where(held, ids, -1)
     if t * k < w1.shape[0]:
         rows = _pair_rows(x, ids, w1, w3, w2, limit)
     elif t <= DENSE_MAX_TOKENS:
         rows = _dense_rows(x, ids, w1, w3, w2, limit)
-    else:
-        rows = _hit_expert_rows(x, run, w1, w3, w2, limit)
+    else:                                      # only pairs whose expert this process holds
+        rows = _hit_expert_rows(x, ids if held is None else torch.where(held, ids, -1), w1, w3, w2, limit)
     return rows if held is None else torch.where(held.reshape(-1, 1), rows, 0.0)
 
 
