@@ -59,7 +59,8 @@ def scaling_table(scaling: dict) -> str:
     if scaling.get("per_doubling_first_to_last"):
         lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_first_to_last']:.2f}x per "
                      f"doubling on average. Seconds: the fastest of {len(scaling['seconds_all'][0])} passes per length; "
-                     f"x per doubling: the median over passes of the ratio within a pass (fastest / fastest: "
+                     f"x per doubling: the ratio within a pass, passes alternately shortest and longest first, "
+                     f"both directions weighed equally (fastest / fastest: "
                      + ", ".join(f"{r:.2f}x" for r in scaling["per_doubling_fastest"]) + ")")
     return "\n".join(lines)
 

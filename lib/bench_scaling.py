@@ -1,9 +1,9 @@
 """`dsv4gen bench`'s scaling series: how the `cpu` backend's prefill cost grows with context.
 
 The series prefills the scaling checkpoint at doubling lengths, `repeats` passes over all lengths
-(not `repeats` runs of one length back to back), and summarises them robustly (`summarise`): a
-burst of load on a shared machine then costs one run of one length, not the ratio between two
-neighbouring lengths. It runs in a fresh process: after the side-by-side rows the bench process
+(not `repeats` runs of one length back to back; every other pass longest first), and summarises
+them robustly (`summarise`): a burst of load on a shared machine then costs one run of one length,
+not the ratio between two neighbouring lengths, and a steady drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench process
 holds what five engines left in its heap, and the same series ran up to 10% slower at 16K-32K
 there than in a process of its own (measured on this machine), which is noise, not prefill cost.
 """
@@ -30,7 +30,9 @@ def series(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int, log: Ca
     engine.prefill(make_prompts(vocab, 1, min(sizes), seed=99)[0])            # warm-up
     runs: list[list[float]] = [[] for _ in sizes]
     for attempt in range(repeats):
-        for n, size in enumerate(sizes):
+        order = range(len(sizes))
+        for n in reversed(order) if _descending(attempt) else order:
+            size = sizes[n]
             t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
             runs[n].append(t)
             log({"engine": BACKEND, "phase": "scaling", "size": size, "status": "ok", "run": attempt + 1,
@@ -39,23 +41,39 @@ def series(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int, log: Ca
     return summarise(path, sizes, runs, engine.load_s)
 
 
+def _descending(attempt: int) -> bool:
+    """Passes alternate: shortest to longest, then longest to shortest."""
+    return attempt % 2 == 1
+
+
 def _rate(a: float, b: float, n: int, m: int) -> float:
     """(t2 / t1) ** (1 / log2(n2 / n1)): the plain ratio when the sizes double, comparable otherwise."""
     return (b / a) ** (1 / math.log2(m / n))
 
 
+def _balanced(ratios: list[float]) -> float:
+    """One ratio from per-pass ratios: the geometric mean of the ascending passes' geometric mean and
+    the descending passes'. A machine whose speed drifts during a pass inflates a ratio measured
+    short-then-long and deflates it long-then-short by the same factor, so the two directions
+    weigh equally (three passes: the two ascending ones share half the weight)."""
+    up = [r for p, r in enumerate(ratios) if not _descending(p)]
+    down = [r for p, r in enumerate(ratios) if _descending(p)]
+    groups = [statistics.geometric_mean(g) for g in (up, down) if g]
+    return statistics.geometric_mean(groups)
+
+
 def summarise(path: Path, sizes: tuple[int, ...], runs: list[list[float]], load_s: float) -> dict:
     """The cost per doubling from `runs[length][pass]` seconds.
 
-    Each doubling's ratio is taken within a pass (two neighbouring lengths measured a few seconds
-    apart, so a slow drift in the machine's speed cancels) and the median over passes is kept.
-    The ratio of the fastest runs of two lengths (`per_doubling_fastest`, also reported) can pair
-    one length's lucky run with its neighbour's ordinary one: in one run here the three passes of
-    8K took 10.6, 9.2 and 10.2 s, and that pairing alone moved 8K -> 16K from 2.14x to 2.26x."""
+    Each doubling's ratio is taken within a pass (two neighbouring lengths measured seconds apart)
+    and the passes are combined by `_balanced`. On this shared 2-core machine one length's time
+    moved by up to 17% within two minutes (4K: 4.8 s, then 5.6 s in the same process), so the
+    ratio of the fastest runs of two lengths (`per_doubling_fastest`, also reported) can pair one
+    length's lucky run with its neighbour's ordinary one."""
     passes = [[r[p] for r in runs] for p in range(len(runs[0]))]            # [pass][length]
     steps = list(zip(sizes, sizes[1:]))
-    per_doubling = [statistics.median(_rate(t[i], t[i + 1], n, m) for t in passes) for i, (n, m) in enumerate(steps)]
-    overall = statistics.median(_rate(t[0], t[-1], sizes[0], sizes[-1]) for t in passes) if steps else None
+    per_doubling = [_balanced([_rate(t[i], t[i + 1], n, m) for t in passes]) for i, (n, m) in enumerate(steps)]
+    overall = _balanced([_rate(t[0], t[-1], sizes[0], sizes[-1]) for t in passes]) if steps else None
     fastest = [min(r) for r in runs]
     return {"backend": BACKEND, "checkpoint": str(path), "sizes": list(sizes), "seconds": fastest,
             "seconds_all": runs, "tokens_per_s": [s / t for s, t in zip(sizes, fastest)],

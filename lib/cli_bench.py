@@ -52,7 +52,7 @@ def add_parser(sub, backend_names: list[str]) -> None:
                         "--no-scaling skips the series")
     s.add_argument("--no-scaling", action="store_true")
     s.add_argument("--scaling-repeats", type=int, default=3,
-                   help="passes over the scaling lengths, the fastest run per length kept (default 3)")
+                   help="passes over the scaling lengths, alternately shortest and longest first (default 3)")
     s.add_argument("--chunk", type=int, default=512, help="prefill chunk, every engine (default 512)")
     s.add_argument("--repeats", type=int, default=1, help="timed runs per row, the fastest kept (default 1)")
     s.add_argument("--threads", type=int, default=1,

@@ -22,3 +22,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = a.reshape(-1, 1, a.shape[-1])                                   # [M, 1, K]
     out = torch.bmm(rows, b.unsqueeze(0).expand(rows.shape[0], -1, -1))     # [M, 1, N]
     return out.reshape(*lead, b.shape[-1])
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N], where row m of item i does not depend on M either.
+
+    Attention's heads are the M of a per-token product, and tensor parallelism changes how many
+    heads a rank holds: measured here, one head's fp32 logits differ between M = 8 and M = 2 (one
+    process vs TP=4), which flipped a greedy token on ascend910. On CPU each of the B*M rows is its
+    own batch item again, at the cost of B's operand repeated M times (emulation-sized shapes)."""
+    if not a.is_cpu:
+        return torch.bmm(a, b)
+    batch, m = a.shape[:2]
+    rows = a.reshape(batch * m, 1, a.shape[-1]).contiguous()                           # [B*M, 1, K]
+    # contiguous whatever B is: with B = 1 the reshape is a stride-0 view, and BLAS rounds a
+    # strided operand differently (one decoded token against a verify of six broke otherwise)
+    shared = b.unsqueeze(1).expand(batch, m, *b.shape[1:]).reshape(batch * m, *b.shape[1:]).contiguous()
+    return torch.bmm(rows, shared).reshape(batch, m, b.shape[-1])

@@ -125,6 +125,17 @@ def all_gather(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def gather_heads(q: torch.Tensor, weights: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's indexer heads, in rank order and one collective: q [T, Hi/tp, Di] and head
+    weights [T, Hi/tp] -> [T, Hi, Di] and [T, Hi], each in its own dtype (carried in the wider of
+    the two, so both come back exactly)."""
+    if group is None:
+        return q, weights
+    wide = torch.promote_types(q.dtype, weights.dtype)
+    both = all_gather(torch.cat((q.to(wide), weights.to(wide).unsqueeze(-1)), dim=-1), group, dim=1)
+    return both[..., :-1].to(q.dtype), both[..., -1].to(weights.dtype)
+
+
 def all_to_all(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
     """Rank r sends chunks[s] to rank s and receives rank s's chunk r; chunks may differ in rows
     (counts are exchanged first, so the receiver can size its buffers)."""

@@ -142,7 +142,8 @@ def _target(d: Deployment, w: Weights, lay: CacheLayout, context: int, tokens: i
         messages += _tp(d, "all_reduce", hidden)                            # attention output (wo_b)
         messages += _moe(d, tokens, cfg.hidden_size, cfg.num_experts_per_tok)
         if layer.attention == "csa":
-            messages += _tp(d, "all_reduce", tokens * entries * 4)          # indexer scores over split heads
+            # the indexer's split heads (queries and head weights, one gather), not its scores
+            messages += _tp(d, "all_gather", tokens * cfg.index_n_heads * (cfg.index_head_dim + 1) * _act_bytes(d))
     messages += _tp(d, "all_gather", tokens * cfg.vocab_size * LOGIT_BYTES)   # head (vocab rows split)
     experts = _expert_bytes(w, scope, tokens, cfg, len(layers))
     return _step(d, device, dense + experts + kv, launches, messages)      # one sequence: its KV is read once

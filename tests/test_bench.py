@@ -62,10 +62,11 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 2]
     assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest pass per length
     assert scaling["per_doubling_fastest"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
-    # each doubling: the median over passes of the ratio within one pass (two passes: their mean)
+    # each doubling: the ratio within each pass, the ascending and the descending pass weighed
+    # equally (two passes: the geometric mean of the two)
     (a0, a1), (b0, b1), (c0, c1) = scaling["seconds_all"]
-    assert scaling["per_doubling"] == pytest.approx([(b0 / a0 + b1 / a1) / 2, (c0 / b0 + c1 / b1) / 2])
-    assert scaling["per_doubling_first_to_last"] == pytest.approx(((c0 / a0) ** 0.5 + (c1 / a1) ** 0.5) / 2)
+    assert scaling["per_doubling"] == pytest.approx([(b0 / a0 * b1 / a1) ** 0.5, (c0 / b0 * c1 / b1) ** 0.5])
+    assert scaling["per_doubling_first_to_last"] == pytest.approx((c0 / a0 * c1 / a1) ** 0.25)
     # every run of the series (a process of its own) reached the bench's progress log
     assert sum(" scaling " in line and ", pass " in line for line in printed.splitlines()) == 3 * 2
 

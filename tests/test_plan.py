@@ -156,7 +156,7 @@ def test_json_keys_and_text_tables(capsys):
     step = plan["decode_step_seconds"]
     assert 0 < step["dspark_per_token"] and 0 < step["plain"] and step["terms"]["plain"]["launches"] > 0
     # embedding, then per layer the wo_b all-reduce and the 910's all-to-all MoE exchange (lib/ep.py: three
-    # exchanges with their count swaps, one all-gather), the 21 CSA indexers' score sums, the head's gather
+    # exchanges with their count swaps, one all-gather), the 21 CSA indexers' head gathers, the head's gather
     assert step["terms"]["plain"]["collectives"] == 1 + 43 * (1 + 7) + 21 + 1
     assert {v["basis"] for v in plan["device"].values()} <= {"datasheet", "field", "third-party", "estimate"}
     assert main(["plan", "--backend", "hip936", "--max-model-len", "4096"]) == 0

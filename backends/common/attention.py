@@ -12,6 +12,7 @@ import torch
 from backends.common.rope import rope
 from lib import parallel
 from lib.batch import Batch
+from lib import invariant
 from lib.invariant import matmul
 from lib.state import CompressorState
 
@@ -64,7 +65,14 @@ def compressed_entries(states: list[CompressorState]) -> list[torch.Tensor]:
 
 def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: int, ratio: int,
                  weight_scale: float, group=None) -> torch.Tensor:
-    """Top-k entries per query -> [T, topk] int32 sequence-local ids, -1 = none (fp32 scores)."""
+    """Top-k entries per query -> [T, topk] int32 sequence-local ids, -1 = none (fp32 scores).
+
+    Under TP each rank holds Hi/tp heads of q [T, Hi/tp, Di] and weights [T, Hi/tp]. They are
+    gathered, not the scores: summed per rank and all-reduced, the fp32 head sum would be grouped
+    by TP size and could flip a near-tie at the top-k boundary, while every rank summing all heads
+    in one process's order selects exactly what one process selects. The gather (T x Hi x (Di+1))
+    is also smaller than the partial scores (T x E) once E > Hi x (Di+1)."""
+    q, weights = parallel.gather_heads(q, weights, group)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     for seg in batch.segments():
         k = keys[seg.index]
@@ -72,7 +80,7 @@ def index_select(q, weights, batch: Batch, keys: list[torch.Tensor], *, topk: in
             continue
         ws = weights[seg.lo:seg.hi].float() * weight_scale
         dots = matmul(q[seg.lo:seg.hi].float(), k.float().t())                         # [n, H, E]
-        scores = parallel.all_reduce((ws.unsqueeze(-1) * torch.relu(dots)).sum(1), group)  # [n, E], all heads
+        scores = (ws.unsqueeze(-1) * torch.relu(dots)).sum(1)                          # [n, E]
         ready = ((batch.positions[seg.lo:seg.hi] + 1) // ratio).to(torch.int32)
         visible = torch.arange(k.shape[0], dtype=torch.int32)[None, :] < ready[:, None]
         scores = torch.where(visible, scores, float("-inf"))
@@ -112,12 +120,12 @@ def sparse_attention(q, kv, batch: Batch, windows: list[torch.Tensor], entries, 
             slots = torch.cat((slots, comp.unsqueeze(0).expand(n, -1, -1)), dim=1)     # [n, W + E, D]
             mask = torch.cat((mask, visible), dim=1)
         kf = slots.float()
-        logits = torch.einsum("thd,tkd->thk", q[seg.lo:seg.hi].float(), kf) / d ** 0.5
+        logits = invariant.bmm(q[seg.lo:seg.hi].float(), kf.transpose(1, 2)) / d ** 0.5      # [n, H, W + E]
         logits = torch.where(mask[:, None, :], logits, float("-inf"))
         sk = sink.float()[None, :, None]
         top = torch.maximum(logits.amax(-1, keepdim=True), sk)
         e = torch.exp(logits - top)
         p = e / (e.sum(-1, keepdim=True) + torch.exp(sk - top))
-        outs.append(torch.einsum("thk,tkd->thd", p, kf).to(kv.dtype))
+        outs.append(invariant.bmm(p, kf).to(kv.dtype))                                 # [n, H, D]
         new_windows.append(keys[-window:])
     return torch.cat(outs), new_windows

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lib.batch import Batch
+from lib.invariant import matmul
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
@@ -26,9 +27,9 @@ def dspark_attention(q, kv, batch: Batch, rings: list[torch.Tensor], sink) -> to
     outs = []
     for seg in batch.segments():
         keys = torch.cat((rings[seg.index].to(kv.dtype), kv[seg.lo:seg.hi])).float()     # [r + n, D]
-        logits = torch.einsum("thd,kd->thk", q[seg.lo:seg.hi].float(), keys) / d ** 0.5
+        logits = matmul(q[seg.lo:seg.hi].float(), keys.t()) / d ** 0.5       # [n, H, r + n]: per row (lib/invariant)
         sk = sink.float()[None, :, None]
         top = torch.maximum(logits.amax(-1, keepdim=True), sk)
         e = torch.exp(logits - top)
-        outs.append(((e / (e.sum(-1, keepdim=True) + torch.exp(sk - top))) @ keys).to(kv.dtype))
+        outs.append(matmul(e / (e.sum(-1, keepdim=True) + torch.exp(sk - top)), keys).to(kv.dtype))
     return torch.cat(outs)

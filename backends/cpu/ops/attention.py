@@ -10,36 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops import indexer
+from backends.cpu.ops.indexer import index_scores
 from lib import parallel
 from lib.batch import Batch
-
-
-# Entries per block of `index_scores`: a block's [n, Hi, block] fp64 tile fits L2 (4 MiB here),
-# but never under 64 entries, where BLAS takes a slower small-matrix path (measured: 32 is 2x slower).
-INDEX_TILE_ELEMENTS = 1 << 19
-INDEX_MIN_BLOCK = 64
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
-                 ratio: int, weight_scale: float) -> torch.Tensor:
-    """Indexer scores of one sequence's queries [n, E] (fp64); entries not yet complete are -inf.
-
-    score(t, w) = sum_j weight_scale * weights[t, j] * ReLU(q[t, j] . keys[w]), visible iff
-    w < (t + 1) / ratio.
-    """
-    ws = (weights.double() * weight_scale).unsqueeze(1)                     # [n, 1, Hi]
-    q, keys = q.double(), keys.double()
-    scores = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float64)    # [n, E]
-    # The [n, Hi, E] ReLU'd products are the one tensor that grows with context (E = L / ratio).
-    # Made whole, it streams through memory three times (product, ReLU, head contraction) and
-    # made prefill superlinear; made one block of entries at a time it stays in cache (2.5-3x
-    # faster at 8K-32K tokens, same values: each score is the same length-Di dot and length-Hi sum).
-    block = max(INDEX_MIN_BLOCK, INDEX_TILE_ELEMENTS // max(1, q.shape[0] * q.shape[1]))
-    for lo in range(0, keys.shape[0], block):
-        relu = torch.einsum("thd,ed->the", q, keys[lo:lo + block]).relu_()      # [n, Hi, block]
-        scores[:, lo:lo + block] = torch.bmm(ws, relu).squeeze(1)
-    visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
-    return scores.masked_fill_(~visible, float("-inf"))
 
 
 def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,
@@ -49,17 +23,20 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: lis
     q [T, Hi, Di] indexer queries (RoPE applied); weights [T, Hi] head weights (W_iw h), scaled
     by `weight_scale` = Di^-1/2 * Hi^-1/2; keys[s] [E_s, Di] the sequence's indexer entries.
     """
+    # Under TP every rank gathers all heads and scores them in one process's order, so TP selects
+    # exactly what one process selects (partial head sums all-reduced would round differently).
+    q, weights = parallel.gather_heads(q, weights, group)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
     for seg in batch.segments():
         k = keys[seg.index]
         if k.shape[0] == 0:
             continue
-        # this rank's heads only under TP: the masked (-inf) entries stay -inf in the sum
-        scores = parallel.all_reduce(index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k,
-                                                  batch.positions[seg.lo:seg.hi], ratio=ratio,
-                                                  weight_scale=weight_scale), group)
-        picked = scores.topk(min(topk, k.shape[0]), dim=-1).indices               # [n, k']
-        valid = torch.isfinite(torch.gather(scores, 1, picked))
+        args = (q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k, batch.positions[seg.lo:seg.hi])
+        if indexer.worth_screening(seg.hi - seg.lo, k.shape[0], topk):       # by shape only: decode never
+            picked, valid = indexer.screened_topk(*args, topk=topk, ratio=ratio, weight_scale=weight_scale)
+        else:
+            picked, valid = indexer.top_entries(index_scores(*args, ratio=ratio, weight_scale=weight_scale),
+                                                min(topk, k.shape[0]))                # [n, k']
         out[seg.lo:seg.hi, : picked.shape[1]] = torch.where(valid, picked, -1)
     return out
 
