@@ -106,7 +106,10 @@ class AsyncEngine:
             return
         self.dead = reason
         log.error("engine failed: %s; the server is now unhealthy", reason)
-        self._loop.call_soon_threadsafe(self._fail_all, EngineDead(f"the engine failed: {reason}"))
+        try:
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDead(f"the engine failed: {reason}"))
+        except RuntimeError:                             # loop closed: the worker monitor outlived shutdown
+            pass
 
     @property
     def in_flight(self) -> int:
