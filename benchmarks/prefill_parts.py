@@ -17,8 +17,8 @@ import functools
 import time
 
 
-def _timed(module, name: str, totals: dict, label=None) -> None:
-    """Replace module.name by a wrapper adding its wall time to totals[label or name]."""
+def _timed(module, name: str, totals: dict, label) -> None:
+    """Replace module.name by a wrapper adding its wall time to totals[label(args)]."""
     fn = getattr(module, name)
 
     @functools.wraps(fn)
@@ -27,7 +27,7 @@ def _timed(module, name: str, totals: dict, label=None) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            totals[label(args) if label else name] += time.perf_counter() - start
+            totals[label(args)] += time.perf_counter() - start
     setattr(module, name, wrapper)
 
 

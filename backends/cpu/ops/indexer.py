@@ -6,8 +6,8 @@ its GEMM twice as fast but rounds: measured, fp32 scores moved 0.1% of top-64 se
 only screens here. The textbook bound on a floating-point dot product (any summation order, FMA
 or not) bounds each fp32 score's error; per query it leaves a candidate set that provably holds
 the whole fp64 top-k, and only those candidates are rescored in fp64 and ranked. A query whose
-candidates overflow the set's width is scored in fp64 whole. The selection and its order are the
-fp64 ones; what is saved is fp64 work on the entries that cannot be selected.
+candidates overflow the set's width is scored in fp64 whole. The selection is the fp64 one (a set
+in ascending entry id, `top_entries`); what is saved is fp64 work on entries that cannot be selected.
 """
 from __future__ import annotations
 
