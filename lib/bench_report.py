@@ -19,7 +19,7 @@ def progress_line(row: dict, elapsed: float) -> str:
     if row["status"] != "ok":
         return f"{head}: not run ({row['reason']})"
     steps = f", {row['decode_steps']} steps" if row.get("decode_steps") else ""
-    run = f", pass {row['run']}" if row.get("run") else ""
+    run = f", run {row['run']}" if row.get("run") else ""
     return f"{head}: {row['tokens_per_s']:8.1f} tokens/s ({row['seconds']:.2f} s{steps}{run})"
 
 
@@ -56,11 +56,11 @@ def scaling_table(scaling: dict) -> str:
     ratios = [None, *scaling["per_doubling"]]
     for n, t, rate, r in zip(scaling["sizes"], scaling["seconds"], scaling["tokens_per_s"], ratios):
         lines.append(f"{n:>8}  {t:>9.2f}  {rate:>9.1f}  {'-' if r is None else f'{r:.2f}x':>14}")
-    if scaling.get("per_doubling_first_to_last"):
-        lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_first_to_last']:.2f}x per "
-                     f"doubling on average. Seconds: the fastest of {len(scaling['seconds_all'][0])} passes per length; "
-                     f"x per doubling: the ratio within a pass, passes alternately shortest and longest first, "
-                     f"both directions weighed equally (fastest / fastest: "
+    if scaling.get("per_doubling_average"):
+        lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_average']:.2f}x per "
+                     f"doubling on average. Seconds: the fastest run per length ({len(scaling['timeline'])} runs in a "
+                     f"zigzag over the lengths); x per doubling: the ratio of the two lengths measured back to "
+                     f"back, upwards and downwards weighed equally (fastest / fastest: "
                      + ", ".join(f"{r:.2f}x" for r in scaling["per_doubling_fastest"]) + ")")
     return "\n".join(lines)
 
@@ -79,9 +79,9 @@ def summary(result: dict) -> str:
         lines.append(f"cpu prefill cost per doubling of context, {sc['sizes'][0]} -> {sc['sizes'][-1]} tokens: at most "
                      f"{sc['max_per_doubling']:.2f}x at one doubling (goal <= {sc['target_per_doubling']}x: "
                      f"{'met' if sc['meets_target'] else 'NOT met'} at every doubling)")
-        if sc.get("per_doubling_first_to_last"):
+        if sc.get("per_doubling_average"):
             lines.append(f"  on average over the {len(sc['per_doubling'])} doublings: "
-                         f"{sc['per_doubling_first_to_last']:.2f}x ({'met' if sc['meets_target_on_average'] else 'NOT met'})")
+                         f"{sc['per_doubling_average']:.2f}x ({'met' if sc['meets_target_on_average'] else 'NOT met'})")
     return "\n".join(lines)
 
 

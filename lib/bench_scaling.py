@@ -1,11 +1,13 @@
 """`dsv4gen bench`'s scaling series: how the `cpu` backend's prefill cost grows with context.
 
-The series prefills the scaling checkpoint at doubling lengths, `repeats` passes over all lengths
-(not `repeats` runs of one length back to back; every other pass longest first), and summarises
-them robustly (`summarise`): a burst of load on a shared machine then costs one run of one length,
-not the ratio between two neighbouring lengths, and a steady drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench process
-holds what five engines left in its heap, and the same series ran up to 10% slower at 16K-32K
-there than in a process of its own (measured on this machine), which is noise, not prefill cost.
+The series prefills the scaling checkpoint at doubling lengths in a zigzag: up over all lengths,
+down, up, down (`zigzag`), so every pair of neighbouring lengths is measured back to back once per
+sweep, as often upwards as downwards, and the turning lengths are not run twice in a row. Each
+doubling's ratio comes from those back-to-back pairs only (`summarise`): a burst of load on a shared
+machine then costs one pair, not the ratio between two lengths measured minutes apart, and a steady
+drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench
+process holds what five engines left in its heap, and the same series ran up to 10% slower at
+16K-32K there than in a process of its own (measured on this machine), which is noise, not prefill cost.
 """
 from __future__ import annotations
 
@@ -23,27 +25,30 @@ BACKEND = "cpu"
 TARGET_PER_DOUBLING = 2.2          # issue 7: prefill cost per doubling of context, 1K -> 32K
 
 
-def series(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int, log: Callable[[dict], None]) -> dict:
-    """Prefill seconds per length and pass, summarised by `summarise`."""
+def zigzag(count: int, sweeps: int) -> list[int]:
+    """Length indices in measurement order: sweep 1 shortest to longest, sweep 2 back down without
+    repeating the longest, sweep 3 up again without repeating the shortest, and so on."""
+    order = list(range(count))
+    for sweep in range(1, sweeps if count > 1 else 1):
+        order += list(range(count - 2, -1, -1)) if sweep % 2 else list(range(1, count))
+    return order
+
+
+def series(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int, log: Callable[[dict], None]) -> dict:
+    """Prefill seconds per length in `zigzag` order, summarised by `summarise`."""
     engine = Ours(path, BACKEND, chunk)
     vocab = engine.model.cfg.vocab_size
-    engine.prefill(make_prompts(vocab, 1, min(sizes), seed=99)[0])            # warm-up
-    runs: list[list[float]] = [[] for _ in sizes]
-    for attempt in range(repeats):
-        order = range(len(sizes))
-        for n in reversed(order) if _descending(attempt) else order:
-            size = sizes[n]
-            t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
-            runs[n].append(t)
-            log({"engine": BACKEND, "phase": "scaling", "size": size, "status": "ok", "run": attempt + 1,
-                 "seconds": t, "tokens_per_s": size / t})
+    for size in sorted(set(sizes))[:2]:                     # warm-up: allocator and caches, not timed
+        engine.prefill(make_prompts(vocab, 1, size, seed=99)[0])
+    timeline: list[list] = []                               # [length index, seconds] in measurement order
+    for n in zigzag(len(sizes), sweeps):
+        size = sizes[n]
+        t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
+        timeline.append([n, t])
+        log({"engine": BACKEND, "phase": "scaling", "size": size, "status": "ok",
+             "run": sum(1 for i, _ in timeline if i == n), "seconds": t, "tokens_per_s": size / t})
     engine.close()
-    return summarise(path, sizes, runs, engine.load_s)
-
-
-def _descending(attempt: int) -> bool:
-    """Passes alternate: shortest to longest, then longest to shortest."""
-    return attempt % 2 == 1
+    return summarise(path, sizes, timeline, engine.load_s)
 
 
 def _rate(a: float, b: float, n: int, m: int) -> float:
@@ -51,40 +56,44 @@ def _rate(a: float, b: float, n: int, m: int) -> float:
     return (b / a) ** (1 / math.log2(m / n))
 
 
-def _balanced(ratios: list[float]) -> float:
-    """One ratio from per-pass ratios: the geometric mean of the ascending passes' geometric mean and
-    the descending passes'. A machine whose speed drifts during a pass inflates a ratio measured
-    short-then-long and deflates it long-then-short by the same factor, so the two directions
-    weigh equally (three passes: the two ascending ones share half the weight)."""
-    up = [r for p, r in enumerate(ratios) if not _descending(p)]
-    down = [r for p, r in enumerate(ratios) if _descending(p)]
+def _balanced(up: list[float], down: list[float]) -> float:
+    """One ratio from the pairs measured shorter-then-longer (`up`) and longer-then-shorter
+    (`down`): the geometric mean of each direction's geometric mean. A machine whose speed drifts
+    inflates a ratio measured one way and deflates it the other way by the same factor, so the
+    two directions weigh equally whatever their counts."""
     groups = [statistics.geometric_mean(g) for g in (up, down) if g]
     return statistics.geometric_mean(groups)
 
 
-def summarise(path: Path, sizes: tuple[int, ...], runs: list[list[float]], load_s: float) -> dict:
-    """The cost per doubling from `runs[length][pass]` seconds.
+def summarise(path: Path, sizes: tuple[int, ...], timeline: list[list], load_s: float) -> dict:
+    """The cost per doubling from `timeline` ([length index, seconds] in measurement order).
 
-    Each doubling's ratio is taken within a pass (two neighbouring lengths measured seconds apart)
-    and the passes are combined by `_balanced`. On this shared 2-core machine one length's time
-    moved by up to 17% within two minutes (4K: 4.8 s, then 5.6 s in the same process), so the
-    ratio of the fastest runs of two lengths (`per_doubling_fastest`, also reported) can pair one
-    length's lucky run with its neighbour's ordinary one."""
-    passes = [[r[p] for r in runs] for p in range(len(runs[0]))]            # [pass][length]
+    A doubling's samples are the timeline's neighbouring measurements of its two lengths, combined
+    by `_balanced`. On this shared 2-core machine one length's time moved by up to 17% within two
+    minutes (4K: 4.8 s, then 5.6 s in the same process), so the ratio of the fastest runs of two
+    lengths (`per_doubling_fastest`, also reported) can pair one length's lucky run with its
+    neighbour's ordinary one."""
+    runs = [[t for i, t in timeline if i == n] for n in range(len(sizes))]
     steps = list(zip(sizes, sizes[1:]))
-    per_doubling = [_balanced([_rate(t[i], t[i + 1], n, m) for t in passes]) for i, (n, m) in enumerate(steps)]
-    overall = _balanced([_rate(t[0], t[-1], sizes[0], sizes[-1]) for t in passes]) if steps else None
+    samples: list[dict[str, list[float]]] = [{"up": [], "down": []} for _ in steps]
+    for (i, a), (j, b) in zip(timeline, timeline[1:]):
+        if abs(i - j) == 1:
+            lo, (t_lo, t_hi) = min(i, j), ((a, b) if i < j else (b, a))
+            samples[lo]["up" if i < j else "down"].append(_rate(t_lo, t_hi, sizes[lo], sizes[lo + 1]))
+    per_doubling = [_balanced(s["up"], s["down"]) for s in samples]
+    overall = statistics.geometric_mean(per_doubling) if steps else None
     fastest = [min(r) for r in runs]
     return {"backend": BACKEND, "checkpoint": str(path), "sizes": list(sizes), "seconds": fastest,
-            "seconds_all": runs, "tokens_per_s": [s / t for s, t in zip(sizes, fastest)],
-            "per_doubling": per_doubling, "max_per_doubling": max(per_doubling, default=None),
+            "seconds_all": runs, "timeline": timeline, "tokens_per_s": [s / t for s, t in zip(sizes, fastest)],
+            "per_doubling": per_doubling, "per_doubling_samples": samples,
+            "max_per_doubling": max(per_doubling, default=None),
             "per_doubling_fastest": [_rate(fastest[i], fastest[i + 1], n, m) for i, (n, m) in enumerate(steps)],
-            "per_doubling_first_to_last": overall, "target_per_doubling": TARGET_PER_DOUBLING,
+            "per_doubling_average": overall, "target_per_doubling": TARGET_PER_DOUBLING,
             "meets_target": all(r <= TARGET_PER_DOUBLING for r in per_doubling),
             "meets_target_on_average": overall is not None and overall <= TARGET_PER_DOUBLING, "load_s": load_s}
 
 
-def _child(path: str, sizes, chunk: int, repeats: int, threads: int, out) -> None:
+def _child(path: str, sizes, chunk: int, sweeps: int, threads: int, out) -> None:
     import torch
 
     from lib.hostmem import keep_freed_memory
@@ -92,12 +101,12 @@ def _child(path: str, sizes, chunk: int, repeats: int, threads: int, out) -> Non
     keep_freed_memory()                       # as in the bench process (lib/cli.py)
     torch.set_num_threads(threads)
     try:
-        out.put(("done", series(Path(path), tuple(sizes), chunk, repeats, lambda row: out.put(("row", row)))))
+        out.put(("done", series(Path(path), tuple(sizes), chunk, sweeps, lambda row: out.put(("row", row)))))
     except BaseException as err:              # reported by the parent, which owns the exit status
         out.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, repeats: int,
+def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int,
                      log: Callable[[dict], None]) -> dict:
     """`series` in a spawned process with this process's torch thread count; rows reach `log` as
     they finish. Raises RuntimeError if the child fails or dies."""
@@ -105,7 +114,7 @@ def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, repeats: in
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_child, args=(str(path), list(sizes), chunk, repeats, torch.get_num_threads(), out),
+    child = ctx.Process(target=_child, args=(str(path), list(sizes), chunk, sweeps, torch.get_num_threads(), out),
                         name="dsv4gen-bench-scaling", daemon=True)
     child.start()
     try:

@@ -55,14 +55,14 @@ def bind_numa(rank: int) -> str | None:
     return nodes[rank % len(nodes)].name
 
 
-def _build(spec: LaunchSpec, rank: int, world: int, init_method: str, progress: bool):
+def _build(spec: LaunchSpec, rank: int, world: int, init_method: str, progress: bool, peers_gone=None):
     from lib.engine import Engine
     from lib.runtime import load_model
     from lib.tokenizer import Tokenizer
 
     from lib.inject import injection
 
-    parallel.init_process_group(rank, world, init_method)           # before any weight (L17)
+    parallel.init_process_group(rank, world, init_method, peers_gone=peers_gone)   # before any weight (L17)
     bind_numa(rank)
     bug = contextlib.ExitStack()      # the injected bug stays in place until the engine is closed
     if spec.inject:
@@ -96,6 +96,14 @@ def follow(engine) -> None:
                 return
             getattr(engine, kind)(*args)
         engine.step()
+
+
+def _first_exit(workers: list) -> str | None:
+    """Which worker process (rank 1 first) has exited, and how; None while all run."""
+    for rank, proc in enumerate(workers, start=1):
+        if not proc.is_alive():
+            return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+    return None
 
 
 class ReplicatedEngine:
@@ -137,10 +145,7 @@ class ReplicatedEngine:
         return [self.engine.requests[i] for i in ids]
 
     def dead_worker(self) -> str | None:
-        for rank, proc in enumerate(self.workers, start=1):
-            if not proc.is_alive():
-                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-        return None
+        return _first_exit(self.workers)
 
     def close(self) -> None:
         """Stop the workers (they leave their loop), then make sure they are gone."""
@@ -179,7 +184,7 @@ def launch(spec: LaunchSpec, progress: bool = True):
     for proc in workers:
         proc.start()
     try:
-        engine, bug = _build(spec, 0, world, init_method, progress)
+        engine, bug = _build(spec, 0, world, init_method, progress, peers_gone=lambda: _first_exit(workers))
     except BaseException:
         import torch.distributed as dist
         for proc in workers:

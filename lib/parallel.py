@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, NamedTuple
+import time
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 DISPATCH_MODES = ("allgather", "alltoall")
+# Generous: an idle server's workers wait in a broadcast for the next step.
+GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
 class Parallel(NamedTuple):
@@ -61,14 +64,32 @@ def check_sizes(cfg, tp: int, ep: int) -> int:
     return world
 
 
-def init_process_group(rank: int, world: int, init_method: str, backend: str | None = None) -> None:
-    """Join the job's process group. Call before loading any weight (L17)."""
+def init_process_group(rank: int, world: int, init_method: str, backend: str | None = None,
+                       peers_gone: Callable[[], str | None] | None = None) -> None:
+    """Join the job's process group. Call before loading any weight (L17).
+
+    init_method is "tcp://host:port", where rank 0 holds the rendezvous store. Every other rank
+    marks its arrival there first, and rank 0 waits for the marks polling `peers_gone()` (a reason
+    once a rank's process has exited): a rank that dies on its way in (a failed import, its
+    arguments failing to unpickle under spawn) then fails the launch at once, naming the rank,
+    instead of leaving rank 0 in the rendezvous for the group's whole timeout."""
     import torch.distributed as dist
 
     backend = backend or os.environ.get("DSV4GEN_DIST_BACKEND", "gloo")
-    # A generous timeout: an idle server's workers wait in a broadcast for the next step.
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(days=7))
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    if not init_method.startswith("tcp://") or not host or not port.isdigit():
+        raise ValueError(f"init_method '{init_method}' is not tcp://host:port")
+    store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=GROUP_TIMEOUT,
+                          wait_for_workers=False)
+    arrived = [f"dsv4gen/arrived/{r}" for r in range(1, world)]
+    if rank:
+        store.set(arrived[rank - 1], "1")
+    else:
+        while not store.check(arrived):
+            if peers_gone is not None and (reason := peers_gone()):
+                raise RuntimeError(f"{reason} before joining the process group")
+            time.sleep(0.1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
 
 
 def live(tp: int, ep: int, ep_dispatch: str = "allgather") -> Parallel:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lib import hf_peer
+from lib import bench_scaling, hf_peer
 from lib.cli import main
 
 pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     rc = main(["bench", "--out", str(out), "--model", str(tiny_ckpt), "--scaling-model", str(tiny_ckpt),
                "--backends", "cpu,ascend310p", "--prefill", "24,48", "--device-prefill", "24",
                "--decode-batches", "1,2", "--decode-context", "20", "--decode-steps", "2",
-               "--device-decode-steps", "1", "--scaling", "32,64,128", "--scaling-repeats", "2"])
+               "--device-decode-steps", "1", "--scaling", "32,64,128", "--scaling-sweeps", "2"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert torch.get_num_threads() == threads                       # the bench restores the thread count
@@ -59,16 +59,38 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     scaling = result["scaling"]
     assert scaling["sizes"] == [32, 64, 128] and len(scaling["seconds"]) == 3
     s = scaling["seconds"]
-    assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 2]
-    assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest pass per length
+    # two sweeps over three lengths: 32, 64, 128 up, then 64, 32 down (the longest not run twice in a row)
+    assert [i for i, _ in scaling["timeline"]] == [0, 1, 2, 1, 0]
+    assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 1]
+    assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest run per length
     assert scaling["per_doubling_fastest"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
-    # each doubling: the ratio within each pass, the ascending and the descending pass weighed
-    # equally (two passes: the geometric mean of the two)
-    (a0, a1), (b0, b1), (c0, c1) = scaling["seconds_all"]
-    assert scaling["per_doubling"] == pytest.approx([(b0 / a0 * b1 / a1) ** 0.5, (c0 / b0 * c1 / b1) ** 0.5])
-    assert scaling["per_doubling_first_to_last"] == pytest.approx((c0 / a0 * c1 / a1) ** 0.25)
+    # each doubling: the ratio of its two lengths measured back to back, the upward and the
+    # downward pairs weighed equally (here one of each: their geometric mean)
+    (a0, a1), (b0, b1), (c0,) = scaling["seconds_all"]
+    assert scaling["per_doubling"] == pytest.approx([(b0 / a0 * b1 / a1) ** 0.5, (c0 / b0 * c0 / b1) ** 0.5])
+    assert scaling["per_doubling_average"] == pytest.approx((scaling["per_doubling"][0] * scaling["per_doubling"][1]) ** 0.5)
     # every run of the series (a process of its own) reached the bench's progress log
-    assert sum(" scaling " in line and ", pass " in line for line in printed.splitlines()) == 3 * 2
+    assert sum(" scaling " in line and ", run " in line for line in printed.splitlines()) == 5
+
+
+def test_zigzag_measures_every_neighbouring_pair_both_ways():
+    assert bench_scaling.zigzag(4, 4) == [0, 1, 2, 3, 2, 1, 0, 1, 2, 3, 2, 1, 0]
+    assert bench_scaling.zigzag(1, 3) == [0]
+    pairs = list(zip(bench_scaling.zigzag(6, 4), bench_scaling.zigzag(6, 4)[1:]))
+    for lo in range(5):                                                 # 2 upward and 2 downward pairs each
+        assert pairs.count((lo, lo + 1)) == 2 and pairs.count((lo + 1, lo)) == 2
+
+
+def test_steady_drift_cancels_between_directions():
+    """Prefill cost exactly 2.1x per doubling on a machine slowing 5% per measurement: every
+    back-to-back pair is off by 5% (up inflated, down deflated), the balanced ratio is not."""
+    sizes = (1024, 2048, 4096, 8192)
+    order = bench_scaling.zigzag(len(sizes), 4)
+    timeline = [[n, 2.1 ** n * 1.05 ** k] for k, n in enumerate(order)]
+    result = bench_scaling.summarise("ckpt", sizes, timeline, load_s=0.0)
+    assert result["per_doubling"] == pytest.approx([2.1] * 3)
+    assert result["per_doubling_samples"][0]["up"] == pytest.approx([2.1 * 1.05] * 2)
+    assert result["meets_target"] and result["per_doubling_average"] == pytest.approx(2.1)
 
 
 def test_bench_refuses_clearly_without_its_requirements(monkeypatch, tmp_path, capsys):

@@ -52,24 +52,17 @@ def test_ties_at_zero_are_taken_by_entry_id():
         assert visible.all() and torch.equal(ids, want)
 
 
-def test_crowded_boundary_falls_back_to_fp64():
+def test_crowded_boundary_falls_back_to_fp64(monkeypatch):
     """Near-identical keys put hundreds of entries within fp32 rounding of the k-th score: the
     candidate set cannot hold them and the row is scored in fp64 whole."""
     q, w, _, pos = _case(4)
     keys = torch.randn(1, 32) + 1e-6 * torch.randn(1200, 32, generator=torch.Generator().manual_seed(5))
     calls = []
-    original = indexer.index_scores
-
-    def spy(*args, **kw):
-        calls.append(kw.get("dtype", torch.float64))
-        return original(*args, **kw)
-
-    indexer.index_scores = spy
-    try:
-        ids, visible = indexer.screened_topk(q, w.abs(), keys, pos, topk=64, ratio=4, weight_scale=0.1)
-    finally:
-        indexer.index_scores = original
-    assert calls == [torch.float32, torch.float64]                # screened, then the fallback
+    for name in ("screen_scores", "index_scores"):
+        original = getattr(indexer, name)
+        monkeypatch.setattr(indexer, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    ids, visible = indexer.screened_topk(q, w.abs(), keys, pos, topk=64, ratio=4, weight_scale=0.1)
+    assert calls == ["screen_scores", "index_scores"]             # screened, then the fallback in fp64
     want_ids, want_visible = _fp64(q, w.abs(), keys, pos, 64)
     assert torch.equal(torch.where(visible, ids, -1), torch.where(want_visible, want_ids, -1))
 
@@ -87,11 +80,27 @@ def test_error_bound_holds(scale):
     q, w, keys, pos = _case(7, n=128, hi=16, di=64, entries=2000)
     q, keys = q * scale, keys / scale ** 0.5
     exact = indexer.index_scores(q, w, keys, pos, ratio=4, weight_scale=0.05)
-    fp32 = indexer.index_scores(q, w, keys, pos, ratio=4, weight_scale=0.05, dtype=torch.float32).double()
+    fp32 = indexer.screen_scores(q, w, keys, pos, ratio=4, weight_scale=0.05).double()
     err = (fp32 - exact).nan_to_num(0.0).abs().amax(dim=1)      # -inf - -inf = nan: invisible entries
     bound = indexer._error_bound(q, w.double() * 0.05, keys)
     assert (err <= bound).all()
     assert (err > 0).any()                                        # fp32 really rounds here
+
+
+@pytest.mark.parametrize("entries,width", [(8192, 88), (3000, 88), (1000, 13), (700, 88), (50, 13)])
+def test_top_width_gives_topk_values(entries, width):
+    """Two-level top-width (strided groups) against torch.topk, on rows with -inf tails and
+    repeated values (scores rounded to a few levels, so the boundary falls inside a run of ties)."""
+    gen = torch.Generator().manual_seed(entries)
+    scores = (torch.randn(40, entries, generator=gen) * 4).round()
+    scores[:5, entries // 3:] = float("-inf")                     # rows whose visible entries are few
+    scores[5:7, width // 2:] = float("-inf")                      # ... fewer than `width`
+    values, ids = indexer.top_width(scores, width)
+    assert torch.equal(values, scores.topk(width, dim=-1).values)
+    assert ((ids >= 0) & (ids < entries)).all()                   # real entries, never the padding
+    assert torch.equal(torch.gather(scores, 1, ids), values)      # the ids hold those values
+    finite = ids.masked_fill(values.isneginf(), -1).sort(dim=-1).values
+    assert ((finite.diff(dim=-1) > 0) | (finite[:, 1:] == -1)).all()   # distinct wherever finite
 
 
 def test_screening_is_chosen_by_shape_and_full_fp32_only():
@@ -106,10 +115,11 @@ def test_screening_is_chosen_by_shape_and_full_fp32_only():
 
 
 def test_chunked_prefill_logits_do_not_change_with_the_screen(tiny_ckpt, monkeypatch):
-    """520 tokens in chunks of 65: from the 2nd chunk on the CSA layers have >= 8 x 13 entries, so
-    index_select screens; the logits equal those of the same chunks scored in fp64 only."""
+    """650 tokens in chunks of 65: from the 8th chunk on the CSA layers (top-k 4, 13 candidate
+    slots) hold >= 10 x 13 entries, so index_select screens 3 chunks of each; the logits equal those
+    of the same chunks scored in fp64 only."""
     model = load_model(tiny_ckpt)
-    ids = prompt_ids(520, model.cfg.vocab_size, seed=3)
+    ids = prompt_ids(650, model.cfg.vocab_size, seed=3)
     screened = []
     original = indexer.screened_topk
 
@@ -118,7 +128,7 @@ def test_chunked_prefill_logits_do_not_change_with_the_screen(tiny_ckpt, monkeyp
         return original(*args, **kw)
 
     monkeypatch.setattr(indexer, "screened_topk", spy)
-    fast = chunked_logits(model, ids, [65] * 8)
-    assert screened                                               # the screen really ran
+    fast = chunked_logits(model, ids, [65] * 10)
+    assert len(screened) == 3 * 2                                 # the screen really ran
     monkeypatch.setattr(indexer, "worth_screening", lambda *a: False)
-    assert torch.equal(fast, chunked_logits(model, ids, [65] * 8))
+    assert torch.equal(fast, chunked_logits(model, ids, [65] * 10))

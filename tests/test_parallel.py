@@ -120,3 +120,26 @@ def test_conformance_cli_runs_the_parallel_check(tiny_ckpt, capsys):
                     "--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "TP=1 EP=2 alltoall (none): 24 greedy tokens vs one process: identical" in out and "PASS" in out
+
+
+class _ExitOnUnpickle:
+    """Unpickling it (in a spawned worker, before the worker's code runs) exits with code 3: a rank
+    that dies on its way to the rendezvous, like a worker whose import fails."""
+
+    def __reduce__(self):
+        import os
+        return os._exit, (3,)
+
+
+def test_a_worker_dying_before_the_rendezvous_fails_the_launch_at_once(tiny_ckpt):
+    """Rank 0 would otherwise wait in the rendezvous for the group's timeout (7 days)."""
+    import time
+
+    from lib.engine import EngineConfig
+    from lib.launch import LaunchSpec, launch
+
+    spec = LaunchSpec(tiny_ckpt, "cpu", _ExitOnUnpickle(), EngineConfig(max_num_seqs=1), tp=2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 3 before joining"):
+        launch(spec, progress=False)
+    assert time.monotonic() - start < 120

@@ -19,27 +19,28 @@ INDEX_TILE_BYTES = 1 << 22
 INDEX_MIN_BLOCK = 64
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # Screening pays off from this many queries (a prefill chunk; decode and verify stay on the fp64
-# path, so decode never waits on a data-dependent branch) and entries per candidate slot.
+# path, so decode never waits on a data-dependent branch) and entries per candidate slot (measured
+# at 512 queries, 8 heads x 32, 88 slots: screened / fp64 time 1.04 at 768 entries, 0.96 at 896).
 SCREEN_MIN_QUERIES = 32
-SCREEN_MIN_ENTRIES_PER_SLOT = 8
+SCREEN_MIN_ENTRIES_PER_SLOT = 10
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
-                 ratio: int, weight_scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Indexer scores of one sequence's queries [n, E] in `dtype` (fp64: the reference; fp32: the
-    screen of `screened_topk`); entries not yet complete are -inf.
+                 ratio: int, weight_scale: float) -> torch.Tensor:
+    """Indexer scores of one sequence's queries [n, E] in fp64 (the reference); entries not yet
+    complete are -inf.
 
     score(t, w) = sum_j weight_scale * weights[t, j] * ReLU(q[t, j] . keys[w]), visible iff
     w < (t + 1) / ratio. q [n, Hi, Di], weights [n, Hi], keys [E, Di], positions [n].
     """
-    ws = (weights.double() * weight_scale).to(dtype).unsqueeze(1)           # [n, 1, Hi]
-    q, keys = q.to(dtype), keys.to(dtype)
-    scores = torch.empty(q.shape[0], keys.shape[0], dtype=dtype)            # [n, E]
+    ws = (weights.double() * weight_scale).unsqueeze(1)                    # [n, 1, Hi]
+    q, keys = q.double(), keys.double()
+    scores = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float64)    # [n, E]
     # The [n, Hi, E] ReLU'd products are the one tensor that grows with context (E = L / ratio).
     # Made whole, it streams through memory three times (product, ReLU, head contraction) and
     # made prefill superlinear; made one block of entries at a time it stays in cache (2.5-3x
     # faster at 8K-32K tokens, same values: each score is the same length-Di dot and length-Hi sum).
-    block = max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // dtype.itemsize // max(1, q.shape[0] * q.shape[1]))
+    block = max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // 8 // max(1, q.shape[0] * q.shape[1]))
     for lo in range(0, keys.shape[0], block):
         relu = torch.einsum("thd,ed->the", q, keys[lo:lo + block]).relu_()      # [n, Hi, block]
         scores[:, lo:lo + block] = torch.bmm(ws, relu).squeeze(1)
@@ -57,6 +58,55 @@ def worth_screening(queries: int, entries: int, topk: int) -> bool:
     (torch.set_float32_matmul_precision "high" / "medium") voids the rounding bound."""
     return (queries >= SCREEN_MIN_QUERIES and entries >= SCREEN_MIN_ENTRIES_PER_SLOT * _width(topk, entries)
             and torch.get_float32_matmul_precision() == "highest")
+
+
+def screen_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
+                  ratio: int, weight_scale: float) -> torch.Tensor:
+    """fp32 scores [n, E] of the screen: `index_scores`' sums, in fp32 (error: `_error_bound`).
+
+    Same products and sums as `index_scores`, written into one reused buffer per block by a plain
+    mm: the fp32 screen streams [n * Hi, E] products, and einsum's temporaries cost a third more
+    (measured at n = 512, Hi = 8, E = 8K: 20 vs 14 ms for the products alone)."""
+    n, hi, di = q.shape
+    rows = q.float().reshape(n * hi, di)                                    # [n * Hi, Di]
+    ws = (weights.double() * weight_scale).float().unsqueeze(1)            # [n, 1, Hi]
+    keys = keys.float()
+    scores = torch.empty(n, keys.shape[0])                                  # [n, E]
+    block = max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // 4 // max(1, n * hi))
+    buf = torch.empty(n * hi * block)
+    for lo in range(0, keys.shape[0], block):
+        part = keys[lo:lo + block]
+        prod = torch.mm(rows, part.T, out=buf[: n * hi * part.shape[0]].view(n * hi, part.shape[0]))
+        scores[:, lo:lo + part.shape[0]] = torch.bmm(ws, prod.relu_().view(n, hi, -1)).squeeze(1)
+    visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
+    return scores.masked_fill_(~visible, float("-inf"))
+
+
+def top_width(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest values of each row of scores [n, E] (descending) and entries holding
+    them, like torch.topk but in two levels when rows are long.
+
+    One topk over E entries costs 5-6 ns per entry (23 ms at n = 512, E = 8K, width 88). Here the
+    entries fall in S strided groups of G (entry e in group e mod S), a topk over the S group maxima
+    picks `width` groups, and a topk over their G * width entries the values: 16-20 ms there. The
+    values are exactly torch.topk's: an entry of the true top `width` left in an unpicked group
+    would need every picked group's maximum at least as large, `width` entries that large in
+    picked groups already. Which of equal entries is returned is the implementation's choice, as
+    in torch.topk."""
+    n, entries = scores.shape
+    groups = max(1, round((entries / width) ** 0.5))                        # G ~ sqrt(E / width)
+    stride = -(-entries // groups)                                          # S
+    if groups < 4 or stride < width:
+        return scores.topk(width, dim=-1)
+    padded = scores.new_full((n, groups * stride), float("-inf"))
+    padded[:, :entries] = scores
+    best = padded.view(n, groups, stride).amax(1).topk(width, dim=-1).indices             # [n, width]
+    members = (best[:, None, :] + torch.arange(groups)[:, None] * stride).reshape(n, -1)  # [n, G * width]
+    top = torch.gather(padded, 1, members).topk(width, dim=-1)
+    # A padding slot (id >= E) is picked only in a row with fewer than `width` finite scores, and
+    # there only as one of its -inf values; entry E - 1 is -inf in such a row too (a row seeing the
+    # last entry sees all E >= width), so it stands in for the padding and every id is a real entry.
+    return top.values, torch.gather(members, 1, top.indices).clamp_(max=entries - 1)
 
 
 def _error_bound(q: torch.Tensor, ws: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -103,15 +153,15 @@ def screened_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, po
     k' = min(topk, E)), without fp64 work on the entries that cannot be selected."""
     k, width = min(topk, keys.shape[0]), _width(topk, keys.shape[0])
     ws = weights.double() * weight_scale                                    # [n, Hi]
-    screen = index_scores(q, weights, keys, positions, ratio=ratio, weight_scale=weight_scale, dtype=torch.float32)
-    top = screen.topk(width, dim=-1)                                        # [n, width], descending
+    values, indices = top_width(screen_scores(q, weights, keys, positions, ratio=ratio, weight_scale=weight_scale),
+                                width)                                      # [n, width], descending
     margin = _error_bound(q, ws, keys)                                      # [n]
-    last, kth = top.values[:, -1].double(), top.values[:, k - 1].double()
+    last, kth = values[:, -1].double(), values[:, k - 1].double()
     # An entry left out scores at most last + margin in fp64; k candidates score at least
     # kth - margin. When the first is below the second, nothing left out can reach (or tie) the
     # top-k. A row whose width-th fp32 score is -inf holds every visible entry already.
     fits = (last < kth - 2 * margin) | torch.isneginf(last)
-    candidates = top.indices.sort(dim=-1).values                            # [n, width], ascending ids
+    candidates = indices.sort(dim=-1).values                                # [n, width], ascending ids
     visible = candidates < ((positions + 1) // ratio)[:, None]
     exact = _fp64_scores(q, ws, keys, candidates).masked_fill_(~visible, float("-inf"))
     picked, visible = top_entries(exact, k)
