@@ -2,10 +2,10 @@
 
 The series prefills the scaling checkpoint at doubling lengths in a zigzag: up over all lengths,
 down, up, down (`zigzag`), so every pair of neighbouring lengths is measured back to back once per
-sweep, as often upwards as downwards, and the turning lengths are not run twice in a row. Each
-doubling's ratio comes from those back-to-back pairs only (`summarise`): a burst of load on a shared
-machine then costs one pair, not the ratio between two lengths measured minutes apart, and a steady
-drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench
+sweep, as often upwards as downwards, and the turning lengths are not run twice in a row; then the
+short lengths zigzag as often again (`schedule`). Each doubling's ratio comes from those
+back-to-back pairs only (`summarise`): a burst of load on a shared machine then costs one pair, not
+the ratio between two lengths measured minutes apart, and a steady drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench
 process holds what five engines left in its heap, and the same series ran up to 10% slower at
 16K-32K there than in a process of its own (measured on this machine), which is noise, not prefill cost.
 """
@@ -34,14 +34,26 @@ def zigzag(count: int, sweeps: int) -> list[int]:
     return order
 
 
+def schedule(sizes: tuple[int, ...], sweeps: int) -> list[int]:
+    """`zigzag` over every length, then as many sweeps again over the short lengths (at most an
+    eighth of the longest: about a tenth of a sweep's time), when the first zigzag ends at the
+    shortest (an even number of sweeps). A short prefill averages over less of
+    the machine's drift than a long one: in two bench runs here the pairs of the doublings up to
+    4K spread about twice as wide as those at 16K -> 32K, so they get twice the pairs."""
+    order = zigzag(len(sizes), sweeps)
+    short = sum(1 for n in sizes if n * 8 <= max(sizes, default=0))
+    extra = zigzag(short, sweeps)[1:] if short > 1 else []         # from the shortest, where `order` ends
+    return order + extra if order[-1] == 0 else order
+
+
 def series(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int, log: Callable[[dict], None]) -> dict:
-    """Prefill seconds per length in `zigzag` order, summarised by `summarise`."""
+    """Prefill seconds per length in `schedule` order, summarised by `summarise`."""
     engine = Ours(path, BACKEND, chunk)
     vocab = engine.model.cfg.vocab_size
     for size in sorted(set(sizes))[:2]:                     # warm-up: allocator and caches, not timed
         engine.prefill(make_prompts(vocab, 1, size, seed=99)[0])
     timeline: list[list] = []                               # [length index, seconds] in measurement order
-    for n in zigzag(len(sizes), sweeps):
+    for n in schedule(sizes, sweeps):
         size = sizes[n]
         t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
         timeline.append([n, t])

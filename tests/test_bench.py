@@ -81,6 +81,16 @@ def test_zigzag_measures_every_neighbouring_pair_both_ways():
         assert pairs.count((lo, lo + 1)) == 2 and pairs.count((lo + 1, lo)) == 2
 
 
+def test_short_lengths_get_twice_the_pairs():
+    sizes = (1024, 2048, 4096, 8192, 16384, 32768)
+    order = bench_scaling.schedule(sizes, 4)
+    assert order[:21] == bench_scaling.zigzag(6, 4)                     # every length first
+    assert order[21:] == [1, 2, 1, 0, 1, 2, 1, 0]                       # then 1K-4K (<= 32K / 8) again
+    pairs = list(zip(order, order[1:]))
+    assert [pairs.count((lo, lo + 1)) + pairs.count((lo + 1, lo)) for lo in range(5)] == [8, 8, 4, 4, 4]
+    assert bench_scaling.schedule((32, 64, 128), 2) == [0, 1, 2, 1, 0]  # no length is an eighth of 128
+
+
 def test_steady_drift_cancels_between_directions():
     """Prefill cost exactly 2.1x per doubling on a machine slowing 5% per measurement: every
     back-to-back pair is off by 5% (up inflated, down deflated), the balanced ratio is not."""
