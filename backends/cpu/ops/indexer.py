@@ -25,6 +25,17 @@ SCREEN_MIN_QUERIES = 32
 SCREEN_MIN_ENTRIES_PER_SLOT = 10
 
 
+def _block(rows: int, itemsize: int) -> int:
+    """Entries per block: a [rows, block] tile of products fits INDEX_TILE_BYTES."""
+    return max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // itemsize // max(1, rows))
+
+
+def _visible(entry_ids: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Whether each query [n] sees entry ids ([E] shared or [n, C] per query): entry w is complete
+    from position (w + 1) * ratio - 1 on."""
+    return entry_ids < ((positions + 1) // ratio)[:, None]
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *,
                  ratio: int, weight_scale: float) -> torch.Tensor:
     """Indexer scores of one sequence's queries [n, E] in fp64 (the reference); entries not yet
@@ -40,12 +51,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
     # Made whole, it streams through memory three times (product, ReLU, head contraction) and
     # made prefill superlinear; made one block of entries at a time it stays in cache (2.5-3x
     # faster at 8K-32K tokens, same values: each score is the same length-Di dot and length-Hi sum).
-    block = max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // 8 // max(1, q.shape[0] * q.shape[1]))
+    block = _block(q.shape[0] * q.shape[1], itemsize=8)
     for lo in range(0, keys.shape[0], block):
         relu = torch.einsum("thd,ed->the", q, keys[lo:lo + block]).relu_()      # [n, Hi, block]
         scores[:, lo:lo + block] = torch.bmm(ws, relu).squeeze(1)
-    visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
-    return scores.masked_fill_(~visible, float("-inf"))
+    return scores.masked_fill_(~_visible(torch.arange(keys.shape[0]), positions, ratio), float("-inf"))
 
 
 def _width(topk: int, entries: int) -> int:
@@ -72,14 +82,13 @@ def screen_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, po
     ws = (weights.double() * weight_scale).float().unsqueeze(1)            # [n, 1, Hi]
     keys = keys.float()
     scores = torch.empty(n, keys.shape[0])                                  # [n, E]
-    block = max(INDEX_MIN_BLOCK, INDEX_TILE_BYTES // 4 // max(1, n * hi))
+    block = _block(n * hi, itemsize=4)
     buf = torch.empty(n * hi * block)
     for lo in range(0, keys.shape[0], block):
         part = keys[lo:lo + block]
         prod = torch.mm(rows, part.T, out=buf[: n * hi * part.shape[0]].view(n * hi, part.shape[0]))
         scores[:, lo:lo + part.shape[0]] = torch.bmm(ws, prod.relu_().view(n, hi, -1)).squeeze(1)
-    visible = torch.arange(keys.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
-    return scores.masked_fill_(~visible, float("-inf"))
+    return scores.masked_fill_(~_visible(torch.arange(keys.shape[0]), positions, ratio), float("-inf"))
 
 
 def top_width(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +171,7 @@ def screened_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, po
     # top-k. A row whose width-th fp32 score is -inf holds every visible entry already.
     fits = (last < kth - 2 * margin) | torch.isneginf(last)
     candidates = indices.sort(dim=-1).values                                # [n, width], ascending ids
-    visible = candidates < ((positions + 1) // ratio)[:, None]
+    visible = _visible(candidates, positions, ratio)
     exact = _fp64_scores(q, ws, keys, candidates).masked_fill_(~visible, float("-inf"))
     picked, visible = top_entries(exact, k)
     ids = torch.gather(candidates, 1, picked)                               # ascending: candidates are
