@@ -35,7 +35,7 @@ class Plan(NamedTuple):
     scaling: tuple[int, ...]            # `cpu` prefill lengths on the scaling checkpoint
     chunk: int = 512                    # prefill chunk (the engine's max_num_batched_tokens)
     repeats: int = 1                    # timed runs per row; the fastest is reported
-    scaling_sweeps: int = 4             # zigzag sweeps over the scaling lengths (lib/bench_scaling.py)
+    scaling_runs: int = 7               # prefills of the longest scaling length (lib/bench_scaling.py)
 
 
 def _is_device(engine: str) -> bool:
@@ -130,7 +130,7 @@ def run(plan: Plan, model: Path, scaling_model: Path | None, log) -> dict:
     rows.sort(key=lambda r: (order[r["engine"]], r["phase"] != "prefill", r["size"]))
     scaling = None
     if scaling_model and plan.scaling:
-        scaling = bench_scaling.in_fresh_process(scaling_model, plan.scaling, plan.chunk, plan.scaling_sweeps, log)
+        scaling = bench_scaling.in_fresh_process(scaling_model, plan.scaling, plan.chunk, plan.scaling_runs, log)
     failures = [r for r in rows if r.get("first_token_contradicts_decisive_peer") and r["engine"] == REFERENCE]
     return {"rows": rows, "load_s": load_s, "scaling": scaling,
             "reference_agrees": not failures,

@@ -10,6 +10,7 @@ outside the clock. Must not know about reports or other engines.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -56,6 +57,24 @@ class Ours:
         t0 = time.perf_counter()
         (req,) = engine.generate([ids], SamplingParams(max_tokens=1))
         return Timed(time.perf_counter() - t0, [list(req.output)], None)
+
+    def prefill_steps(self, ids: list[int]) -> list[float]:
+        """Seconds of each engine step of one prompt's prefill: one step per chunk of `self.chunk`
+        tokens, the last ending in the first token. The first k steps are exactly the prefill of
+        the prompt's first k chunks (causal attention, the same engine path)."""
+        from lib.sampling import SamplingParams
+
+        engine = self._engine(1, len(ids) + 1, self.chunk)
+        req = engine.requests[engine.add_request(ids, SamplingParams(max_tokens=1))]
+        seconds = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - t0)
+        if len(seconds) != math.ceil(len(ids) / self.chunk) or len(req.output) != 1:
+            raise RuntimeError(f"{self.name}: a {len(ids)}-token prompt took {len(seconds)} engine steps "
+                               f"of {self.chunk} tokens, not {math.ceil(len(ids) / self.chunk)}")
+        return seconds
 
     def decode(self, prompts: list[list[int]], steps: int, around=contextlib.nullcontext) -> Timed:
         """Time of `steps` batched decode steps once every prompt has its first token.

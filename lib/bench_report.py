@@ -50,18 +50,21 @@ def table(result: dict) -> str:
 
 
 def scaling_table(scaling: dict) -> str:
+    """Per length: the sum of its chunks' fastest times, and the ratio per doubling from those; then
+    the range of each single run's own wall-clock ratios."""
+    runs = scaling["per_doubling_runs"]
     lines = [f"prefill cost vs context, backend {scaling['backend']} (target: at most "
              f"{scaling['target_per_doubling']}x per doubling)",
-             f"{'tokens':>8}  {'seconds':>9}  {'tokens/s':>9}  {'x per doubling':>14}"]
-    ratios = [None, *scaling["per_doubling"]]
-    for n, t, rate, r in zip(scaling["sizes"], scaling["seconds"], scaling["tokens_per_s"], ratios):
-        lines.append(f"{n:>8}  {t:>9.2f}  {rate:>9.1f}  {'-' if r is None else f'{r:.2f}x':>14}")
-    if scaling.get("per_doubling_average"):
-        lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_average']:.2f}x per "
-                     f"doubling on average. Seconds: the fastest run per length ({len(scaling['timeline'])} runs in a "
-                     f"zigzag over the lengths); x per doubling: the ratio of the two lengths measured back to "
-                     f"back, upwards and downwards weighed equally (fastest / fastest: "
-                     + ", ".join(f"{r:.2f}x" for r in scaling["per_doubling_fastest"]) + ")")
+             f"{'tokens':>8}  {'seconds':>9}  {'tokens/s':>9}  {'x per doubling':>14}  {'single runs':>13}"]
+    for i, (n, t, rate) in enumerate(zip(scaling["sizes"], scaling["seconds"], scaling["tokens_per_s"])):
+        ratio = f"{scaling['per_doubling'][i - 1]:.2f}x" if i else "-"
+        spread = [r[i - 1] for r in runs]
+        single = f"{min(spread):.2f}-{max(spread):.2f}x" if i else "-"
+        lines.append(f"{n:>8}  {t:>9.2f}  {rate:>9.1f}  {ratio:>14}  {single:>13}")
+    lines.append(f"  {scaling['sizes'][0]} -> {scaling['sizes'][-1]}: {scaling['per_doubling_average']:.2f}x per "
+                 f"doubling on average. Seconds: each length's {scaling['chunk']}-token chunks, the fastest of "
+                 f"{len(runs)} timed {scaling['sizes'][-1]}-token prefills each (a length's prefill is the first "
+                 f"chunks of the longest); single runs: each run's own wall-clock ratios")
     return "\n".join(lines)
 
 
@@ -110,7 +113,8 @@ def write_json(path: Path, result: dict) -> None:
 
 def write_plot(path: Path, result: dict) -> None:
     """Left: each backend row's ratio to transformers (log scale, 1x marked). Right: scaling seconds
-    against context on log-log axes with a linear-cost line through the first point."""
+    against context on log-log axes (each run faint, the fastest chunks bold) with a linear-cost
+    line through the first point."""
     import matplotlib
     matplotlib.use("Agg")                     # files only, never a window
     import matplotlib.pyplot as plt
@@ -133,7 +137,10 @@ def write_plot(path: Path, result: dict) -> None:
     if scaling:
         ax = axes[0][1]
         sizes, seconds = scaling["sizes"], scaling["seconds"]
-        ax.loglog(sizes, seconds, "o-", label=f"backend {scaling['backend']}")
+        for k, run in enumerate(scaling["seconds_runs"]):
+            ax.loglog(sizes, run, "-", color="tab:blue", alpha=0.25, linewidth=1,
+                      label="single runs (wall clock)" if k == 0 else None)
+        ax.loglog(sizes, seconds, "o-", label=f"backend {scaling['backend']}: fastest chunks")
         ax.loglog(sizes, [seconds[0] * n / sizes[0] for n in sizes], "--", color="gray", label="linear cost")
         for n, t, r in zip(sizes[1:], seconds[1:], scaling["per_doubling"]):
             ax.annotate(f"{r:.2f}x", (n, t), textcoords="offset points", xytext=(-10, 8), fontsize=8)

@@ -1,13 +1,19 @@
 """`dsv4gen bench`'s scaling series: how the `cpu` backend's prefill cost grows with context.
 
-The series prefills the scaling checkpoint at doubling lengths in a zigzag: up over all lengths,
-down, up, down (`zigzag`), so every pair of neighbouring lengths is measured back to back once per
-sweep, as often upwards as downwards, and the turning lengths are not run twice in a row; then the
-short lengths zigzag as often again (`schedule`). Each doubling's ratio comes from those
-back-to-back pairs only (`summarise`): a burst of load on a shared machine then costs one pair, not
-the ratio between two lengths measured minutes apart, and a steady drift cancels between directions. It runs in a fresh process: after the side-by-side rows the bench
-process holds what five engines left in its heap, and the same series ran up to 10% slower at
-16K-32K there than in a process of its own (measured on this machine), which is noise, not prefill cost.
+The series prefills one prompt of the longest length several times (`runs`) and times every
+engine step, one per 512-token chunk. Prefill is causal and chunked, so the first k steps of that
+prefill are exactly the prefill of the prompt's first k chunks: every shorter length's cost is
+read off the same runs at its chunk boundary, and the pools are the same size for all lengths.
+Each chunk's cost is its fastest time over the runs. This shared 2-core machine only ever adds
+time, and unevenly: the same prefill moved by up to 17% within two minutes, and whole prefills
+timed one after the other (a zigzag over the lengths, up to stop 14) put that into single
+doublings, from 1.81x to 2.29x for the same doubling; chunk by chunk, the fastest of several
+runs is the chunk's cost with the interference left out (the reasoning of Python's timeit), and
+every chunk has the same number of runs to pick from, so no length is favoured. Each run's own
+wall-clock ratios are reported beside (`per_doubling_runs`). The series runs in a fresh process:
+after the side-by-side rows the bench process holds what five engines left in its heap, and the
+same series ran up to 10% slower at 16K-32K there than in a process of its own (measured on this
+machine), which is noise, not prefill cost.
 """
 from __future__ import annotations
 
@@ -25,42 +31,30 @@ BACKEND = "cpu"
 TARGET_PER_DOUBLING = 2.2          # issue 7: prefill cost per doubling of context, 1K -> 32K
 
 
-def zigzag(count: int, sweeps: int) -> list[int]:
-    """Length indices in measurement order: sweep 1 shortest to longest, sweep 2 back down without
-    repeating the longest, sweep 3 up again without repeating the shortest, and so on."""
-    order = list(range(count))
-    for sweep in range(1, sweeps if count > 1 else 1):
-        order += list(range(count - 2, -1, -1)) if sweep % 2 else list(range(1, count))
-    return order
+def check_sizes(sizes: tuple[int, ...], chunk: int) -> None:
+    """Raise ValueError unless the lengths can be read off one prefill: two or more, increasing,
+    each a whole number of chunks."""
+    if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"scaling lengths {list(sizes)}: need two or more, in increasing order")
+    if odd := [n for n in sizes if n % chunk]:
+        raise ValueError(f"scaling length {odd[0]} is not a multiple of the chunk ({chunk} tokens): each "
+                         "length is read off the longest prefill at a chunk boundary")
 
 
-def schedule(sizes: tuple[int, ...], sweeps: int) -> list[int]:
-    """`zigzag` over every length, then as many sweeps again over the short lengths (at most an
-    eighth of the longest: about a tenth of a sweep's time), when the first zigzag ends at the
-    shortest (an even number of sweeps). A short prefill averages over less of
-    the machine's drift than a long one: in two bench runs here the pairs of the doublings up to
-    4K spread about twice as wide as those at 16K -> 32K, so they get twice the pairs."""
-    order = zigzag(len(sizes), sweeps)
-    short = sum(1 for n in sizes if n * 8 <= max(sizes, default=0))
-    extra = zigzag(short, sweeps)[1:] if short > 1 else []         # from the shortest, where `order` ends
-    return order + extra if order[-1] == 0 else order
-
-
-def series(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int, log: Callable[[dict], None]) -> dict:
-    """Prefill seconds per length in `schedule` order, summarised by `summarise`."""
+def series(path: Path, sizes: tuple[int, ...], chunk: int, runs: int, log: Callable[[dict], None]) -> dict:
+    """`runs` timed prefills of the longest length, every step timed, summarised by `summarise`."""
+    check_sizes(sizes, chunk)
     engine = Ours(path, BACKEND, chunk)
     vocab = engine.model.cfg.vocab_size
-    for size in sorted(set(sizes))[:2]:                     # warm-up: allocator and caches, not timed
-        engine.prefill(make_prompts(vocab, 1, size, seed=99)[0])
-    timeline: list[list] = []                               # [length index, seconds] in measurement order
-    for n in schedule(sizes, sweeps):
-        size = sizes[n]
-        t = engine.prefill(make_prompts(vocab, 1, size, seed=2000 + n)[0]).seconds
-        timeline.append([n, t])
-        log({"engine": BACKEND, "phase": "scaling", "size": size, "status": "ok",
-             "run": sum(1 for i, _ in timeline if i == n), "seconds": t, "tokens_per_s": size / t})
+    engine.prefill(make_prompts(vocab, 1, sizes[1], seed=99)[0])      # warm-up: allocator and caches, not timed
+    prompt = make_prompts(vocab, 1, sizes[-1], seed=2000)[0]
+    steps: list[list[float]] = []                                     # [run][chunk] seconds
+    for run in range(runs):
+        steps.append(engine.prefill_steps(prompt))
+        log({"engine": BACKEND, "phase": "scaling", "size": sizes[-1], "status": "ok", "run": run + 1,
+             "seconds": sum(steps[-1]), "tokens_per_s": sizes[-1] / sum(steps[-1])})
     engine.close()
-    return summarise(path, sizes, timeline, engine.load_s)
+    return summarise(path, sizes, chunk, steps, engine.load_s)
 
 
 def _rate(a: float, b: float, n: int, m: int) -> float:
@@ -68,44 +62,34 @@ def _rate(a: float, b: float, n: int, m: int) -> float:
     return (b / a) ** (1 / math.log2(m / n))
 
 
-def _balanced(up: list[float], down: list[float]) -> float:
-    """One ratio from the pairs measured shorter-then-longer (`up`) and longer-then-shorter
-    (`down`): the geometric mean of each direction's geometric mean. A machine whose speed drifts
-    inflates a ratio measured one way and deflates it the other way by the same factor, so the
-    two directions weigh equally whatever their counts."""
-    groups = [statistics.geometric_mean(g) for g in (up, down) if g]
-    return statistics.geometric_mean(groups)
+def _ratios(seconds: list[float], sizes: tuple[int, ...]) -> list[float]:
+    return [_rate(seconds[i], seconds[i + 1], n, m) for i, (n, m) in enumerate(zip(sizes, sizes[1:]))]
 
 
-def summarise(path: Path, sizes: tuple[int, ...], timeline: list[list], load_s: float) -> dict:
-    """The cost per doubling from `timeline` ([length index, seconds] in measurement order).
-
-    A doubling's samples are the timeline's neighbouring measurements of its two lengths, combined
-    by `_balanced`. On this shared 2-core machine one length's time moved by up to 17% within two
-    minutes (4K: 4.8 s, then 5.6 s in the same process), so the ratio of the fastest runs of two
-    lengths (`per_doubling_fastest`, also reported) can pair one length's lucky run with its
-    neighbour's ordinary one."""
-    runs = [[t for i, t in timeline if i == n] for n in range(len(sizes))]
-    steps = list(zip(sizes, sizes[1:]))
-    samples: list[dict[str, list[float]]] = [{"up": [], "down": []} for _ in steps]
-    for (i, a), (j, b) in zip(timeline, timeline[1:]):
-        if abs(i - j) == 1:
-            lo, (t_lo, t_hi) = min(i, j), ((a, b) if i < j else (b, a))
-            samples[lo]["up" if i < j else "down"].append(_rate(t_lo, t_hi, sizes[lo], sizes[lo + 1]))
-    per_doubling = [_balanced(s["up"], s["down"]) for s in samples]
-    overall = statistics.geometric_mean(per_doubling) if steps else None
-    fastest = [min(r) for r in runs]
-    return {"backend": BACKEND, "checkpoint": str(path), "sizes": list(sizes), "seconds": fastest,
-            "seconds_all": runs, "timeline": timeline, "tokens_per_s": [s / t for s, t in zip(sizes, fastest)],
-            "per_doubling": per_doubling, "per_doubling_samples": samples,
-            "max_per_doubling": max(per_doubling, default=None),
-            "per_doubling_fastest": [_rate(fastest[i], fastest[i + 1], n, m) for i, (n, m) in enumerate(steps)],
-            "per_doubling_average": overall, "target_per_doubling": TARGET_PER_DOUBLING,
+def summarise(path: Path, sizes: tuple[int, ...], chunk: int, steps: list[list[float]], load_s: float) -> dict:
+    """The cost per doubling from `steps` ([run][chunk] seconds of the longest prefill): a length's
+    cost is the sum of its chunks' fastest times."""
+    check_sizes(sizes, chunk)
+    ends = [n // chunk for n in sizes]
+    if not steps or any(len(run) != ends[-1] for run in steps):
+        raise ValueError(f"every run needs {ends[-1]} step times (the {sizes[-1]}-token prefill in "
+                         f"{chunk}-token chunks), got {[len(run) for run in steps]}")
+    fastest = [min(times) for times in zip(*steps)]
+    seconds = [sum(fastest[:end]) for end in ends]
+    per_doubling = _ratios(seconds, sizes)
+    per_run = [[sum(run[:end]) for end in ends] for run in steps]
+    overall = statistics.geometric_mean(per_doubling)
+    return {"backend": BACKEND, "checkpoint": str(path), "sizes": list(sizes), "chunk": chunk,
+            "seconds": seconds, "tokens_per_s": [n / t for n, t in zip(sizes, seconds)],
+            "step_seconds": steps, "step_fastest": fastest, "seconds_runs": per_run,
+            "per_doubling": per_doubling, "per_doubling_runs": [_ratios(run, sizes) for run in per_run],
+            "max_per_doubling": max(per_doubling), "per_doubling_average": overall,
+            "target_per_doubling": TARGET_PER_DOUBLING,
             "meets_target": all(r <= TARGET_PER_DOUBLING for r in per_doubling),
-            "meets_target_on_average": overall is not None and overall <= TARGET_PER_DOUBLING, "load_s": load_s}
+            "meets_target_on_average": overall <= TARGET_PER_DOUBLING, "load_s": load_s}
 
 
-def _child(path: str, sizes, chunk: int, sweeps: int, threads: int, out) -> None:
+def _child(path: str, sizes, chunk: int, runs: int, threads: int, out) -> None:
     import torch
 
     from lib.hostmem import keep_freed_memory
@@ -113,12 +97,12 @@ def _child(path: str, sizes, chunk: int, sweeps: int, threads: int, out) -> None
     keep_freed_memory()                       # as in the bench process (lib/cli.py)
     torch.set_num_threads(threads)
     try:
-        out.put(("done", series(Path(path), tuple(sizes), chunk, sweeps, lambda row: out.put(("row", row)))))
+        out.put(("done", series(Path(path), tuple(sizes), chunk, runs, lambda row: out.put(("row", row)))))
     except BaseException as err:              # reported by the parent, which owns the exit status
         out.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int,
+def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, runs: int,
                      log: Callable[[dict], None]) -> dict:
     """`series` in a spawned process with this process's torch thread count; rows reach `log` as
     they finish. Raises RuntimeError if the child fails or dies."""
@@ -126,7 +110,7 @@ def in_fresh_process(path: Path, sizes: tuple[int, ...], chunk: int, sweeps: int
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_child, args=(str(path), list(sizes), chunk, sweeps, torch.get_num_threads(), out),
+    child = ctx.Process(target=_child, args=(str(path), list(sizes), chunk, runs, torch.get_num_threads(), out),
                         name="dsv4gen-bench-scaling", daemon=True)
     child.start()
     try:

@@ -51,9 +51,9 @@ def add_parser(sub, backend_names: list[str]) -> None:
                    help=f"cpu prefill lengths on the scaling checkpoint (default {DEFAULTS['scaling']}); "
                         "--no-scaling skips the series")
     s.add_argument("--no-scaling", action="store_true")
-    s.add_argument("--scaling-sweeps", type=int, default=4,
-                   help="sweeps over the scaling lengths, up, down, up...: each neighbouring pair is "
-                        "measured back to back once per sweep (default 4)")
+    s.add_argument("--scaling-runs", type=int, default=7,
+                   help="timed prefills of the longest scaling length, every chunk timed; each length's "
+                        "cost is the sum of its chunks' fastest times (default 7)")
     s.add_argument("--chunk", type=int, default=512, help="prefill chunk, every engine (default 512)")
     s.add_argument("--repeats", type=int, default=1, help="timed runs per row, the fastest kept (default 1)")
     s.add_argument("--threads", type=int, default=1,
@@ -65,6 +65,7 @@ def add_parser(sub, backend_names: list[str]) -> None:
 
 
 def _check(args, backend_names: list[str]):
+    from lib import bench_scaling
     from lib.bench import Plan
     from lib.hf_peer import missing_peer
 
@@ -80,13 +81,18 @@ def _check(args, backend_names: list[str]):
         raise ValueError(f"--backends: unknown backend '{unknown[0]}' (accepted: {', '.join(backend_names)})")
     if extra := sorted(set(args.device_prefill) - set(args.prefill)):
         raise ValueError(f"--device-prefill {extra} must be a subset of --prefill {list(args.prefill)}")
-    for name in ("decode_context", "decode_steps", "device_decode_steps", "chunk", "repeats", "scaling_sweeps",
+    if not args.no_scaling:
+        try:
+            bench_scaling.check_sizes(args.scaling, args.chunk)
+        except ValueError as err:
+            raise ValueError(f"--scaling: {err} (or --no-scaling)") from None
+    for name in ("decode_context", "decode_steps", "device_decode_steps", "chunk", "repeats", "scaling_runs",
                  "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return Plan(backends, args.prefill, args.device_prefill, args.decode_batches, args.decode_context,
                 args.decode_steps, args.device_decode_steps, () if args.no_scaling else args.scaling,
-                args.chunk, args.repeats, args.scaling_sweeps)
+                args.chunk, args.repeats, args.scaling_runs)
 
 
 def _command(args) -> str:
@@ -99,7 +105,7 @@ def _command(args) -> str:
               "--decode-batches", join(args.decode_batches), "--decode-context", str(args.decode_context),
               "--decode-steps", str(args.decode_steps), "--device-decode-steps", str(args.device_decode_steps)]
     parts += ["--no-scaling"] if args.no_scaling else ["--scaling", join(args.scaling),
-                                                        "--scaling-sweeps", str(args.scaling_sweeps)]
+                                                        "--scaling-runs", str(args.scaling_runs)]
     parts += ["--chunk", str(args.chunk), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     parts += ["--profile"] if args.profile else []
     return shlex.join(parts)

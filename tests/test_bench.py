@@ -21,7 +21,8 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     rc = main(["bench", "--out", str(out), "--model", str(tiny_ckpt), "--scaling-model", str(tiny_ckpt),
                "--backends", "cpu,ascend310p", "--prefill", "24,48", "--device-prefill", "24",
                "--decode-batches", "1,2", "--decode-context", "20", "--decode-steps", "2",
-               "--device-decode-steps", "1", "--scaling", "32,64,128", "--scaling-sweeps", "2"])
+               "--device-decode-steps", "1", "--scaling", "32,64,128", "--scaling-runs", "2",
+               "--chunk", "16"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert torch.get_num_threads() == threads                       # the bench restores the thread count
@@ -57,50 +58,46 @@ def test_bench_tiny_end_to_end(tiny_ckpt, tmp_path, capsys):
     assert rows["cpu", "prefill", 48]["agree"] == rows["cpu", "prefill", 48]["compared"] == 1
 
     scaling = result["scaling"]
-    assert scaling["sizes"] == [32, 64, 128] and len(scaling["seconds"]) == 3
+    assert scaling["sizes"] == [32, 64, 128] and scaling["chunk"] == 16
+    # two timed prefills of 128 tokens, each step (one 16-token chunk) timed
+    steps = scaling["step_seconds"]
+    assert len(steps) == 2 and all(len(run) == 8 for run in steps)
+    fastest = [min(a, b) for a, b in zip(*steps)]
+    assert scaling["step_fastest"] == fastest
+    # a length's cost: its chunks' fastest times; 32 tokens = the first two chunks of the 128-token prefill
+    assert scaling["seconds"] == pytest.approx([sum(fastest[:2]), sum(fastest[:4]), sum(fastest)])
     s = scaling["seconds"]
-    # two sweeps over three lengths: 32, 64, 128 up, then 64, 32 down (the longest not run twice in a row)
-    assert [i for i, _ in scaling["timeline"]] == [0, 1, 2, 1, 0]
-    assert [len(runs) for runs in scaling["seconds_all"]] == [2, 2, 1]
-    assert s == [min(runs) for runs in scaling["seconds_all"]]          # the fastest run per length
-    assert scaling["per_doubling_fastest"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
-    # each doubling: the ratio of its two lengths measured back to back, the upward and the
-    # downward pairs weighed equally (here one of each: their geometric mean)
-    (a0, a1), (b0, b1), (c0,) = scaling["seconds_all"]
-    assert scaling["per_doubling"] == pytest.approx([(b0 / a0 * b1 / a1) ** 0.5, (c0 / b0 * c0 / b1) ** 0.5])
-    assert scaling["per_doubling_average"] == pytest.approx((scaling["per_doubling"][0] * scaling["per_doubling"][1]) ** 0.5)
+    assert scaling["per_doubling"] == pytest.approx([s[1] / s[0], s[2] / s[1]])
+    assert scaling["per_doubling_average"] == pytest.approx((s[2] / s[0]) ** 0.5)
+    for run, own, ratios in zip(steps, scaling["seconds_runs"], scaling["per_doubling_runs"], strict=True):
+        assert own == pytest.approx([sum(run[:2]), sum(run[:4]), sum(run)])
+        assert ratios == pytest.approx([own[1] / own[0], own[2] / own[1]])
     # every run of the series (a process of its own) reached the bench's progress log
-    assert sum(" scaling " in line and ", run " in line for line in printed.splitlines()) == 5
+    assert sum(" scaling " in line and ", run " in line for line in printed.splitlines()) == 2
+    assert "single runs" in printed
 
 
-def test_zigzag_measures_every_neighbouring_pair_both_ways():
-    assert bench_scaling.zigzag(4, 4) == [0, 1, 2, 3, 2, 1, 0, 1, 2, 3, 2, 1, 0]
-    assert bench_scaling.zigzag(1, 3) == [0]
-    pairs = list(zip(bench_scaling.zigzag(6, 4), bench_scaling.zigzag(6, 4)[1:]))
-    for lo in range(5):                                                 # 2 upward and 2 downward pairs each
-        assert pairs.count((lo, lo + 1)) == 2 and pairs.count((lo + 1, lo)) == 2
+def test_a_length_costs_the_fastest_times_of_its_chunks():
+    """Three runs of a 4-chunk prefill on a machine that slows one run's chunk now and then: each
+    chunk's cost is its fastest time, and a length reads the first chunks of the longest."""
+    steps = [[1.0, 1.1, 9.0, 1.3], [3.0, 1.1, 1.2, 1.3], [1.0, 5.0, 1.2, 1.4]]
+    result = bench_scaling.summarise("ckpt", (512, 1024, 2048), 512, steps, load_s=0.0)
+    assert result["step_fastest"] == [1.0, 1.1, 1.2, 1.3]
+    assert result["seconds"] == pytest.approx([1.0, 2.1, 4.6])
+    assert result["per_doubling"] == pytest.approx([2.1, 4.6 / 2.1])
+    assert result["per_doubling_runs"][0] == pytest.approx([2.1, 12.4 / 2.1])      # run 1's own wall clock
+    assert result["meets_target"] and result["max_per_doubling"] == pytest.approx(4.6 / 2.1)    # 2.19x
 
 
-def test_short_lengths_get_twice_the_pairs():
-    sizes = (1024, 2048, 4096, 8192, 16384, 32768)
-    order = bench_scaling.schedule(sizes, 4)
-    assert order[:21] == bench_scaling.zigzag(6, 4)                     # every length first
-    assert order[21:] == [1, 2, 1, 0, 1, 2, 1, 0]                       # then 1K-4K (<= 32K / 8) again
-    pairs = list(zip(order, order[1:]))
-    assert [pairs.count((lo, lo + 1)) + pairs.count((lo + 1, lo)) for lo in range(5)] == [8, 8, 4, 4, 4]
-    assert bench_scaling.schedule((32, 64, 128), 2) == [0, 1, 2, 1, 0]  # no length is an eighth of 128
-
-
-def test_steady_drift_cancels_between_directions():
-    """Prefill cost exactly 2.1x per doubling on a machine slowing 5% per measurement: every
-    back-to-back pair is off by 5% (up inflated, down deflated), the balanced ratio is not."""
-    sizes = (1024, 2048, 4096, 8192)
-    order = bench_scaling.zigzag(len(sizes), 4)
-    timeline = [[n, 2.1 ** n * 1.05 ** k] for k, n in enumerate(order)]
-    result = bench_scaling.summarise("ckpt", sizes, timeline, load_s=0.0)
-    assert result["per_doubling"] == pytest.approx([2.1] * 3)
-    assert result["per_doubling_samples"][0]["up"] == pytest.approx([2.1 * 1.05] * 2)
-    assert result["meets_target"] and result["per_doubling_average"] == pytest.approx(2.1)
+def test_scaling_lengths_must_be_read_off_one_prefill():
+    with pytest.raises(ValueError, match="increasing order"):
+        bench_scaling.check_sizes((1024, 512), 512)
+    with pytest.raises(ValueError, match="increasing order"):
+        bench_scaling.check_sizes((1024,), 512)
+    with pytest.raises(ValueError, match="768 is not a multiple of the chunk"):
+        bench_scaling.check_sizes((512, 768), 512)
+    with pytest.raises(ValueError, match="every run needs 2 step times"):
+        bench_scaling.summarise("ckpt", (512, 1024), 512, [[1.0, 2.0], [1.0]], load_s=0.0)
 
 
 def test_bench_refuses_clearly_without_its_requirements(monkeypatch, tmp_path, capsys):
@@ -110,3 +107,10 @@ def test_bench_refuses_clearly_without_its_requirements(monkeypatch, tmp_path, c
     assert "dsv4gen bench: error: the benchmark needs transformers==5.23.0" in err
     assert 'pip install -e ".[bench]"' in err
     assert not any(tmp_path.iterdir())                               # refused before writing anything
+
+
+def test_bench_refuses_scaling_lengths_off_the_chunk_grid(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path / "out"), "--scaling", "1000,2048"]) == 2
+    err = capsys.readouterr().err
+    assert "--scaling: scaling length 1000 is not a multiple of the chunk (512 tokens)" in err
+    assert not (tmp_path / "out").exists()
