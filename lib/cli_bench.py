@@ -81,15 +81,15 @@ def _check(args, backend_names: list[str]):
         raise ValueError(f"--backends: unknown backend '{unknown[0]}' (accepted: {', '.join(backend_names)})")
     if extra := sorted(set(args.device_prefill) - set(args.prefill)):
         raise ValueError(f"--device-prefill {extra} must be a subset of --prefill {list(args.prefill)}")
+    for name in ("decode_context", "decode_steps", "device_decode_steps", "chunk", "repeats", "scaling_runs",
+                 "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.no_scaling:
         try:
             bench_scaling.check_sizes(args.scaling, args.chunk)
         except ValueError as err:
             raise ValueError(f"--scaling: {err} (or --no-scaling)") from None
-    for name in ("decode_context", "decode_steps", "device_decode_steps", "chunk", "repeats", "scaling_runs",
-                 "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return Plan(backends, args.prefill, args.device_prefill, args.decode_batches, args.decode_context,
                 args.decode_steps, args.device_decode_steps, () if args.no_scaling else args.scaling,
                 args.chunk, args.repeats, args.scaling_runs)

@@ -113,4 +113,6 @@ def test_bench_refuses_scaling_lengths_off_the_chunk_grid(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "out"), "--scaling", "1000,2048"]) == 2
     err = capsys.readouterr().err
     assert "--scaling: scaling length 1000 is not a multiple of the chunk (512 tokens)" in err
+    assert main(["bench", "--out", str(tmp_path / "out"), "--chunk", "0"]) == 2
+    assert "--chunk must be >= 1" in capsys.readouterr().err               # before any length is checked against it
     assert not (tmp_path / "out").exists()
