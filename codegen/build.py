@@ -1,6 +1,7 @@
 """`dsv4gen build`: render a backend's `_generated/` folder from spec + profile, and check it.
 
-Output is deterministic and stamped with a hash of every spec and profile file it came from;
+Output is deterministic and stamped with a hash of every spec and profile file it came from and of
+the code generator itself (this package's Python and templates, so a codegen change is stale too);
 files are rewritten only when their content changes, and `--check` reports stale, missing or
 extra files with the one command that fixes them.
 """
@@ -22,10 +23,20 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml")
 
 
+CODEGEN_DIR = Path(__file__).resolve().parent
+
+
+def codegen_files() -> list[Path]:
+    """The generator's own sources: lowering, this builder and every template."""
+    return sorted(p for p in CODEGEN_DIR.rglob("*") if p.is_file() and p.suffix in (".py", ".j2"))
+
+
 def spec_hash(backend: str, spec_dir: Path = SPEC_DIR) -> str:
     h = hashlib.sha256()
-    for path in (*(Path(spec_dir) / f.name for f in SPEC_FILES), profile_path(backend)):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    sources = (*(Path(spec_dir) / f.name for f in SPEC_FILES), profile_path(backend), *codegen_files())
+    for path in sources:
+        name = path.relative_to(CODEGEN_DIR.parent) if path.is_relative_to(CODEGEN_DIR) else Path(path.name)
+        h.update(name.as_posix().encode() + b"\0" + path.read_bytes())
     return "sha256:" + h.hexdigest()[:16]
 
 

@@ -19,9 +19,9 @@ import time
 import traceback
 from typing import AsyncIterator, NamedTuple
 
-from lib.engine import Engine
-from lib.requests import RequestOutput
-from lib.sampling import SamplingParams
+from lib.engine.llm_engine import Engine
+from lib.engine.requests import RequestOutput
+from lib.engine.sampling import SamplingParams
 from serve.errors import EngineDead, Overloaded
 
 log = logging.getLogger("dsv4gen.serve")

@@ -1,14 +1,14 @@
 """Splitting a chat reply's text stream into reasoning, content and tool calls.
 
 In thinking mode the prompt ends with `<think>`, so the reply is reasoning up to `</think>`, then
-content (DSV4-REFERENCE §6). Content may end with a DSML tool-call block, which lib/dsml.py turns
+content (DSV4-REFERENCE §6). Content may end with a DSML tool-call block, which lib/text/dsml.py turns
 into OpenAI `tool_calls`. Text that could still be the start of `</think>` or of a DSML block is
 held back, so no marker ever reaches the client in pieces.
 """
 from __future__ import annotations
 
-from lib.dsml import DsmlStreamParser
-from lib.tokenizer import THINK_END
+from lib.text.dsml import DsmlStreamParser
+from lib.text.tokenizer import THINK_END
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
-from lib.cli_run import add_parallel_arguments, launch_spec
+from lib.launcher.arguments import add_parallel_arguments, launch_spec
 
 BACKENDS = ("auto", "cpu", "ascend310p", "ascend910", "hip936")
 TINY_NAME = "deepseek-v4-tiny"
@@ -70,10 +70,10 @@ class Prepared(NamedTuple):
 def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     """Load, build the engine and the app, bind the socket (not yet accepting). Progress goes to `out`
     (default: stderr)."""
-    from lib.engine import EngineConfig
-    from lib.launch import launch, watch
-    from lib.params import LoadOptions
-    from lib.tokenizer import Tokenizer
+    from lib.engine.llm_engine import EngineConfig
+    from lib.launcher.ranks import launch, watch
+    from lib.weights.params import LoadOptions
+    from lib.text.tokenizer import Tokenizer
     from serve.app import build_app
     from serve.async_engine import AsyncEngine
     from serve.context import ServerContext, generation_defaults
@@ -87,7 +87,7 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     if args.model:
         path, name = Path(args.model), args.served_model_name or Path(args.model).resolve().name
     else:
-        from lib.tiny import embedded_tiny
+        from lib.weights.tiny_checkpoint import embedded_tiny
         print("using the embedded tiny checkpoint (made on first use)", file=out)
         path, name = embedded_tiny(), args.served_model_name or TINY_NAME
     args.backend = detect_backend() if args.backend == "auto" else args.backend
@@ -135,12 +135,12 @@ def server_for(prepared: Prepared, log_level: str = "warning", announce=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lib.checkpoint import CheckpointError
-    from lib.hostmem import keep_freed_memory
+    from lib.weights.checkpoint import CheckpointError
+    from lib.runtime.hostmem import keep_freed_memory
     from spec.yamlio import SpecError
 
     args = parser().parse_args(argv)
-    keep_freed_memory()                          # lib/hostmem.py: large temporaries reuse the heap
+    keep_freed_memory()                          # lib/runtime/hostmem.py: large temporaries reuse the heap
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         prepared = prepare(argv)

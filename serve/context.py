@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib.chat import encode_messages
-from lib.tokenizer import Tokenizer
+from lib.text.chat_encoding import encode_messages
+from lib.text.tokenizer import Tokenizer
 from serve.async_engine import AsyncEngine, RequestHandle
 from serve.errors import BadRequest, NotFound
 from serve.metrics import ServerMetrics

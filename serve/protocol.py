@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import msgspec
 
-from lib.sampling import MAX_LOGPROBS, SamplingParams
+from lib.engine.sampling import MAX_LOGPROBS, SamplingParams
 from serve.errors import BadRequest
 
 

@@ -14,7 +14,7 @@ from typing import Any, Union
 
 import msgspec
 
-from lib.requests import Logprob
+from lib.engine.requests import Logprob
 
 NEG_INF_LOGPROB = -9999.0
 

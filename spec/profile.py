@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from spec import expr
-from spec.device import Device, check_device
+from spec.hardware import Device, check_device
 from spec.graph import load_graph
 from spec.tables import SPEC_DIR, load_tensor_table
 from spec.yamlio import SpecError, decode, load_yaml
@@ -27,7 +27,7 @@ class Lowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     impl: Literal["reference", "composite", "native"]
     reason: str
     call: str | None = None                 # "module:function" with the op's port signature
-    device_ops: tuple[str, ...] = ()        # device ops (backends/<name>/device.py) that call launches
+    device_ops: tuple[str, ...] = ()        # device ops (backends/<name>/device_ops.py) that call launches
     lessons: tuple[LessonId, ...] = ()
 
 
@@ -70,7 +70,7 @@ class Budget(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class CacheGeometry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Paged decode-state blocks (lib/paged.py): a physical block of `block_tokens` positions is
+    """Paged decode-state blocks (lib/runtime/paged_cache.py): a physical block of `block_tokens` positions is
     addressed by the attention kernel as block_tokens / logical_block_tokens logical blocks (L19)."""
     block_tokens: int               # positions per physical block (the allocation unit)
     logical_block_tokens: int       # positions per block-table entry the kernel reads
@@ -87,7 +87,7 @@ class ExpertConversion(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class EpDispatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """How tokens reach the experts of other EP ranks (lib/ep.py): every rank runs its experts on
+    """How tokens reach the experts of other EP ranks (lib/distributed/expert_exchange.py): every rank runs its experts on
     every token and one all-reduce sums (allgather), or pairs travel to their expert's rank and
     back (alltoall)."""
     mode: Literal["allgather", "alltoall"] = "allgather"
@@ -106,13 +106,13 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # code build a Profile by hand for tests that never page a cache
     cache: CacheGeometry | None = None
     ops: dict[str, OpLowering] = {}
-    device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device.py
+    device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device_ops.py
     forbidden_ops: dict[str, str] = {}      # aten ops the device must never see on a hot path -> why
     expert_modes: dict[str, str] = {}       # routed-expert mode -> runtime format of class routed_expert
     # required where a routed-expert format is converted when its layer runs (runtime.yaml `runs_as`)
     expert_conversion: ExpertConversion | None = None
-    device: Device | None = None            # the planner's device numbers (spec/device.py); none on cpu
-    ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/ep.py)
+    device: Device | None = None            # the planner's device numbers (spec/hardware.py); none on cpu
+    ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/distributed/expert_exchange.py)
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a

@@ -5,6 +5,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The default `make_tiny` checkpoint. Read-only: copy it (shutil.copytree) before corrupting."""
-    from lib.tiny import make_tiny
+    from lib.weights.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny") / "ckpt")

@@ -1,11 +1,11 @@
-"""Engine invariance check of one backend, run as its own process by tests/test_engine.py.
+"""Engine invariance check of one backend, run as its own process by tests/engine/test_engine.py.
 
     ATEN_CPU_CAPABILITY=default python -m tests.engine_invariance --backend ascend310p
 
 Greedy tokens of several prompts must be identical (token for token) whether each request runs
 alone or batched with others (batch invariance), with DSpark drafting or without (lossless
 speculation), and whatever the prefill chunk size (L24). The device backends run on their CPU
-emulation; lib/invariant.py explains why that emulation must be batch invariant, and the test
+emulation; lib/emulation/invariant_matmul.py explains why that emulation must be batch invariant, and the test
 pins ATen's scalar-consistent kernels because the vectorised ones compute a tensor's last
 partial vector with scalar code (exp, log1p... differ in the last bit from their SIMD forms), so
 an element's result depends on where it lands in a flattened batch. Prints one JSON object.
@@ -16,10 +16,10 @@ import argparse
 import json
 import sys
 
-from lib.engine import Engine, EngineConfig
-from lib.runtime import load_model
-from lib.sampling import SamplingParams
-from lib.tiny import embedded_tiny
+from lib.engine.llm_engine import Engine, EngineConfig
+from lib.runtime.loaded_model import load_model
+from lib.engine.sampling import SamplingParams
+from lib.weights.tiny_checkpoint import embedded_tiny
 from tests.helpers import prompt_ids
 
 PROMPTS = [prompt_ids(40, 1024, seed=11), prompt_ids(3, 1024, seed=12), prompt_ids(23, 1024, seed=13)]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from lib.batch import make_batch
-from lib.runtime import Model, new_cache, step
+from lib.records.batch import make_batch
+from lib.runtime.loaded_model import Model, new_cache, step
 
 # A second tiny config for parity tests: other widths, window 8, HCA ratio 16, one hash layer.
 TINY_B = {

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from backends.common.rope import rope
-from lib import parallel
-from lib.batch import Batch
-from lib import invariant
-from lib.invariant import matmul
-from lib.state import CompressorState
+from lib.distributed import process_group as parallel
+from lib.records.batch import Batch
+from lib.emulation import invariant_matmul as invariant
+from lib.emulation.invariant_matmul import matmul
+from lib.records.decode_state import CompressorState
 
 
 def compress(h, batch: Batch, states: list[CompressorState], wkv, wgate, ape, norm, *, ratio: int,

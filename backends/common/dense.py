@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from lib import parallel
-from lib.invariant import matmul
+from lib.distributed import process_group as parallel
+from lib.emulation.invariant_matmul import matmul
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: int = 1) -> torch.Tensor:

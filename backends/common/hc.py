@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lib.invariant import matmul
+from lib.emulation.invariant_matmul import matmul
 
 
 def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:

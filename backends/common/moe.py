@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lib import ep
-from lib.invariant import matmul
-from lib.placement import local_ids
+from lib.distributed import expert_exchange as ep
+from lib.emulation.invariant_matmul import matmul
+from lib.records.expert_placement import local_ids
 
 
 def _scores(x, gate) -> torch.Tensor:
@@ -54,7 +54,7 @@ def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
                 dtype: torch.dtype, unpermute_multiple: int = 1) -> torch.Tensor:
     """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
-    EP group when there is one (lib/ep.py)."""
+    EP group when there is one (lib/distributed/expert_exchange.py)."""
     def rows(xs, es):
         return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype)
 
@@ -68,7 +68,7 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
     (one normally; all when EP is simulated); zero rows for pairs held elsewhere. Per rank: local
     ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05): a pair routed
     to the dummy slot reads a zeroed tail row, so adding the ranks' rows is exact."""
-    from lib.placement import rank_experts
+    from lib.records.expert_placement import rank_experts
 
     t, k = ids.shape
     out = torch.zeros(t * k, x.shape[-1], dtype=dtype)

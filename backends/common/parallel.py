@@ -1,13 +1,13 @@
 """The tensor-parallel collectives as graph ops (spec/graph.yaml `tp_sum`, `tp_gather`).
 
-Device-agnostic: they hand the tensor to lib.parallel, which is the identity in a single process
+Device-agnostic: they hand the tensor to lib.distributed.process_group, which is the identity in a single process
 (group None) and torch.distributed (gloo on CPU, HCCL / RCCL on devices) otherwise.
 """
 from __future__ import annotations
 
 import torch
 
-from lib import parallel
+from lib.distributed import process_group as parallel
 
 
 def tp_sum(x: torch.Tensor, *, group) -> torch.Tensor:

@@ -1,1 +1,1 @@
-"""Hygon DCU gfx936 (BW1000) backend: device op in `device.py` (ROCm torch._int_mm, or the CPU emulation)."""
+"""Hygon DCU gfx936 (BW1000) backend: device op in `device_ops.py` (ROCm torch._int_mm, or the CPU emulation)."""

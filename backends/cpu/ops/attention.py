@@ -12,8 +12,8 @@ import torch
 
 from backends.cpu.ops import indexer
 from backends.cpu.ops.indexer import index_scores
-from lib import parallel
-from lib.batch import Batch
+from lib.distributed import process_group as parallel
+from lib.records.batch import Batch
 
 
 def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,

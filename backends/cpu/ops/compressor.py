@@ -10,8 +10,8 @@ import torch
 
 from backends.cpu.ops.basic import rms_norm
 from backends.cpu.ops.rope import rope
-from lib.batch import Batch
-from lib.state import CompressorState
+from lib.records.batch import Batch
+from lib.records.decode_state import CompressorState
 
 
 def compress(h: torch.Tensor, batch: Batch, states: list[CompressorState], wkv: torch.Tensor,

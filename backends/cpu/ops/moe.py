@@ -11,8 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from lib import ep
-from lib.placement import local_ids
+from lib.distributed import expert_exchange as ep
+from lib.records.expert_placement import local_ids
 
 
 def _scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
 
     `placement` (EP) decides where experts run, not what they compute: a process holding only its
-    EP rank's experts computes their pairs' rows, and lib/ep.py brings every token its rows."""
+    EP rank's experts computes their pairs' rows, and lib/distributed/expert_exchange.py brings every token its rows."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
         lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
         functools.partial(ep.weighted_sum, out_dtype=torch.float32), torch.float64, torch.float32))
@@ -86,7 +86,7 @@ def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
 
 
 # Three ways to the same rows; which one runs follows from shapes alone, so a decode step stays
-# free of host syncs (tests/test_launches.py) and the choice never depends on the routing:
+# free of host syncs (tests/planner/test_launches.py) and the choice never depends on the routing:
 # - fewer pairs than experts (batch-1 decode): copy each pair's expert out of the fp64 weights;
 # - a decode batch (up to DENSE_MAX_TOKENS tokens): every expert on every token, picked by id,
 #   which reads each expert's weights once instead of copying one per pair;

@@ -1,0 +1,149 @@
+"""Ascend 910B / 910C (Atlas A2 / A3) device ops. Each function has exactly torch_npu 2.14.0's name and
+signature (data/torch_npu-2.14.0-npu-op-schemas.txt); it calls torch_npu when that imports and an NPU is
+present, else the CPU emulation (lib/emulation/npu_ops.py, soc "910b"; the 910-only ops live here).
+Must not know the model, tensor names, the planner, or any other chip.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+
+from lib.emulation import npu_ops as emu
+from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4, device_op
+
+SOC = "910b"
+
+# op -> lessons (shared/PORTING-LESSONS.md) whose device behaviour the emulation reproduces. L05 (rows past
+# the group list left unwritten) was seen on 310P; nothing documents it as 310P-only, so 910 emulates it too.
+DEVICE_OPS = MappingProxyType({
+    "npu_dynamic_quant": ("L21",),
+    "npu_quant_matmul": ("L21",),
+    "npu_grouped_matmul": ("L05", "L21"),
+    "npu_moe_init_routing_v2": ("L06",),
+    "npu_moe_token_unpermute": (),
+    "npu_rms_norm": (),
+    "npu_rotary_mul": (),
+    "npu_scatter_nd_update_": (),
+})
+_DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
+
+
+@device_op("npu_dynamic_quant")
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,  # noqa: A002 - schema name
+                      quant_mode="pertoken", dst_type_max=0.0):
+    if (real := emu.real_npu_op("npu_dynamic_quant")) is not None:
+        return emu.forward(real, locals())
+    return _dynamic_quant(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_max)
+
+
+@device_op("npu_quant_matmul")
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                     x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
+                     y_scale=None):
+    if (real := emu.real_npu_op("npu_quant_matmul")) is not None:
+        return emu.forward(real, locals())
+    emu.need(x1_dtype in _DESCRIPTIVE and x2_dtype in _DESCRIPTIVE, "910B npu_quant_matmul: only int8 and "
+             "int4-in-int32 operands are emulated (fp8 / hifloat8 / fp4 views are not)", NotImplementedError)
+    return emu.quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, group_sizes, y_scale, soc=SOC)
+
+
+@device_op("npu_grouped_matmul")
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                       group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
+                       weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
+    if (real := emu.real_npu_op("npu_grouped_matmul")) is not None:
+        return emu.forward(real, locals())
+    emu.need(activation_input is None and activation_quant_scale is None and activation_quant_offset is None
+             and x_dtype in _DESCRIPTIVE, "910B npu_grouped_matmul: activation_* inputs and fp8 / hifloat8 x are "
+             "not emulated", NotImplementedError)
+    return emu.grouped_matmul(x, weight, bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                              group_list, split_item, group_type, group_list_type, act_type, output_dtype,
+                              weight_dtype, soc=SOC)
+
+
+@device_op("npu_moe_init_routing_v2")
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    if (real := emu.real_npu_op("npu_moe_init_routing_v2")) is not None:
+        return emu.forward(real, locals())
+    return emu.moe_init_routing(x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode,
+                                expert_tokens_num_type, quant_mode, active_expert_range, row_idx_type, x_dtype,
+                                soc=SOC)
+
+
+@device_op("npu_moe_token_unpermute")
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    # research/torch_npu.md documents no hidden-size multiple for 910 (L08 is a 310P finding)
+    if (real := emu.real_npu_op("npu_moe_token_unpermute")) is not None:
+        return emu.forward(real, locals())
+    return emu.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape, soc=SOC)
+
+
+@device_op("npu_rms_norm")
+def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
+    if (real := emu.real_npu_op("npu_rms_norm")) is not None:
+        return emu.forward(real, locals())
+    return emu.rms_norm(input, gamma, epsilon, soc=SOC)
+
+
+@device_op("npu_rotary_mul")
+def npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None):  # noqa: A002 - the schema's name
+    if (real := emu.real_npu_op("npu_rotary_mul")) is not None:
+        return emu.forward(real, locals())
+    return _rotary_mul(input, r1, r2, rotary_mode, rotate)
+
+
+@device_op("npu_scatter_nd_update_")
+def npu_scatter_nd_update_(input, indices, updates):  # noqa: A002 - the schema's name
+    if (real := emu.real_npu_op("npu_scatter_nd_update_")) is not None:
+        return emu.forward(real, locals())
+    return emu.scatter_nd_update_(input, indices, updates, soc=SOC)
+
+
+def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max):
+    """Symmetric dynamic quantisation: scale = amax|x * smooth| / DTYPE_MAX (127 int8, 7 int4) over the token
+    (pertoken, scale shape x.shape[:-1]), the tensor ([1]) or the channel ([H]); y = round(x * smooth / scale),
+    half to even, clamped symmetric. int4 (dst_type quint4x2) packs 8 per int32 along the last dim, element 8j+i
+    in bits 4i..4i+3 (emu.pack_int4) - the same order npu_grouped_matmul's W4A8 weights use here."""
+    c, op = emu.chip(SOC), "npu_dynamic_quant"
+    emu.check_float(c, op, frozenset({F16, BF16}), x)
+    emu.need(x.dim() >= 2, f"{op}: input needs >= 2 dims, found {tuple(x.shape)}")
+    dt = emu.as_dtype(dst_type, op) or I8
+    emu.need(dt in (I8, INT4) and dst_type_max == 0.0, f"{op}: only int8 / int4 outputs are emulated "
+             "(dst_type_max is for fp8 / hifloat8)", NotImplementedError)
+    h, smooth = x.shape[-1], smooth_scales
+    if smooth_scales is not None and group_index is not None:  # MoE: smooth_scales [E, H] per group of rows
+        rows = x.numel() // h
+        bounds = emu.group_bounds(group_index, smooth_scales.shape[0], rows, 0, op, (I32, I64))
+        emu.need(bounds[-1][1] == rows, f"{op}: group_index must cover all {rows} rows")
+        per_row = torch.repeat_interleave(torch.arange(len(bounds)), torch.tensor([b - a for a, b in bounds]))
+        smooth = smooth_scales[per_row].reshape(x.shape)
+    dims = {"pertoken": (-1,), "pertensor": tuple(range(x.dim())), "perchannel": tuple(range(x.dim() - 1))}
+    emu.need(quant_mode in dims, f"{op}: quant_mode {quant_mode!r} not in {sorted(dims)}")
+    q, s = emu.quantize_symmetric(x, 127 if dt == I8 else 7, dims[quant_mode], smooth)
+    shape = {"pertoken": x.shape[:-1], "pertensor": (1,), "perchannel": (h,)}[quant_mode]
+    return (emu.pack_int4(q) if dt == INT4 else q), s.reshape(shape)
+
+
+def _rotary_mul(x, r1, r2, rotary_mode, rotate):
+    """out = r1 * x + r2 * rot(x) in fp32, cast to x's dtype. 'half' (NeoX): rot = cat(-x2, x1);
+    'interleave' (GPT-J / DeepSeek): rot[2i] = -x[2i+1], rot[2i+1] = x[2i]. r1 / r2 broadcast to x (4-D)."""
+    c, op = emu.chip(SOC), "npu_rotary_mul"
+    emu.check_float(c, op, c.float_dtypes, x, r1, r2)
+    emu.need(rotary_mode in ("half", "interleave"), f"{op}: rotary_mode {rotary_mode!r} (half / interleave)")
+    emu.need(rotate is None, f"{op}: rotate is not emulated", NotImplementedError)
+    emu.need(x.dim() == 4 and x.shape[-1] % 2 == 0 and x.shape[-1] < 896, f"{op}: input must be 4-D with an "
+             f"even last dim < 896, found {tuple(x.shape)}")
+    emu.need(torch.broadcast_shapes(x.shape, r1.shape, r2.shape) == x.shape, f"{op}: r1 {tuple(r1.shape)} / r2 "
+             f"{tuple(r2.shape)} must broadcast to input {tuple(x.shape)}")
+    xf = x.float()
+    if rotary_mode == "half":
+        x1, x2 = xf.chunk(2, -1)
+        rot = torch.cat((-x2, x1), -1)
+    else:
+        rot = torch.stack((-xf[..., 1::2], xf[..., 0::2]), -1).flatten(-2)
+    return (r1.float() * xf + r2.float() * rot).to(x.dtype)

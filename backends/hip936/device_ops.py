@@ -1,0 +1,61 @@
+"""Hygon DCU gfx936 (BW1000) device op: torch._int_mm, with exactly torch's signature. A ROCm torch that sees
+a gfx936 runs it for real; anywhere else a CPU emulation first applies the checks the ROCm build makes (torch's
+CPU kernel skips them), so M <= 16 raises here as it does on the DCU (L28).
+Must not know the model, tensor names, the planner, or any other chip.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+
+from lib.emulation import npu_ops as emu
+from lib.emulation.npu_ops import device_op
+
+# op -> lessons (shared/PORTING-LESSONS.md) whose device behaviour the emulation reproduces
+DEVICE_OPS = MappingProxyType({"_int_mm": ("L28",)})
+INT_MM_MIN_ROWS = 17  # L28: self.size(0) must be > 16; pad to 17 and slice the product back
+
+
+def real_gfx936() -> bool:
+    """A ROCm torch that sees a gfx936 device (its arch name, or the device name, says gfx936)."""
+    if not (getattr(torch.version, "hip", None) and torch.cuda.is_available()):
+        return False
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return "gfx936" in f"{getattr(props, 'gcnArchName', '')} {props.name}"
+
+
+@device_op("_int_mm")
+def _int_mm(self, mat2):
+    """int8 [M, K] @ int8 [K, N] -> int32 [M, N], exact. On the real stack the tensors must already be on the
+    DCU: CPU tensors would reach torch's CPU kernel, which has none of the quirks."""
+    if real_gfx936():
+        return torch._int_mm(self, mat2)
+    _check_int_mm(self, mat2)
+    return torch._int_mm(self, mat2) if hasattr(torch, "_int_mm") else emu.int_matmul(self, mat2)
+
+
+def pad_rows_to(x: torch.Tensor, rows: int = INT_MM_MIN_ROWS) -> torch.Tensor:
+    """x [M, K] -> [max(M, rows), K] with zero rows appended (L28); `_int_mm(pad_rows_to(x), w)[:M]` is the
+    unpadded product, because zero rows produce zero rows and touch nothing else."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat((x, x.new_zeros(rows - x.shape[0], *x.shape[1:])))
+
+
+def _check_int_mm(a: torch.Tensor, b: torch.Tensor) -> None:
+    """torch's _int_mm_out_cuda checks (aten/src/ATen/native/cuda/Blas.cpp; hipified for ROCm), same messages."""
+    def check(ok: bool, msg: str) -> None:
+        if not ok:
+            raise RuntimeError(msg)
+
+    check(a.dim() == 2, f"Expected self to be of dimension 2 but got {a.dim()}")
+    check(b.dim() == 2, f"Expected mat2 to be of dimension 2 but got {b.dim()}")
+    check(a.size(0) > 16, f"self.size(0) needs to be greater than 16, but got {a.size(0)}")  # L28
+    check(a.size(1) > 0 and a.size(1) % 8 == 0,
+          f"self.size(1) needs to be greater than 0 and a multiple of 8, but got {a.size(1)}")
+    check(a.size(1) == b.size(0), f"self.size(1) needs to match mat2.size(0) but got {a.size(1)} and {b.size(0)}")
+    check(b.size(1) > 0 and b.size(1) % 8 == 0,
+          f"mat2.size(1) needs to be greater than 0 and a multiple of 8, but got {b.size(1)}")
+    check(a.dtype == torch.int8, f"Expected self dtype to be of type int8 but got {a.dtype}")
+    check(b.dtype == torch.int8, f"Expected mat2 dtype to be of type int8 but got {b.dtype}")

@@ -1,0 +1,105 @@
+"""hip936 lowerings: BF16 composites plus routed experts requantised FP4 -> INT8 on the fly and
+multiplied with `_int_mm` (L28, L29).
+
+There is no hardware FP8 (L27): attention and shared-expert weights are dequantised to BF16 once
+at load (runtime format dense_bf16). Routed experts stay packed MXFP4; each step requantises only
+the experts tokens were routed to and pads `_int_mm` rows to 17 (the DCU refuses M <= 16). This
+module must not know whether `_int_mm` is the real ROCm kernel or the CPU emulation.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from backends.common import hc, moe
+from backends.hip936 import device_ops as device
+from lib.distributed import expert_exchange as ep
+from lib.emulation.invariant_matmul import matmul
+from lib.records.expert_placement import ExpertPlacement, local_ids, rank_experts
+from lib.quant.runtime_formats import PackedFP4, packed_fp4_to_w8a8
+
+DTYPE = torch.bfloat16
+
+
+def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
+    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE)
+
+
+def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
+    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
+
+
+def shared_expert(x, w1, w3, w2, limit: float):
+    """The shared expert with BF16 weights (dequantised once at load, L27, L29)."""
+    x = x.to(DTYPE)
+    act = moe.clipped_swiglu(matmul(x, w1.t()), matmul(x, w3.t()), limit).to(DTYPE)
+    return matmul(act, w2.t())
+
+
+def _quant_tokens(x: torch.Tensor):
+    """Per-token symmetric int8 (round half to even): x [M, K] -> (int8 [M, K], fp32 scale [M])."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(xf / s[:, None]).clamp(-127, 127).to(torch.int8), s
+
+
+def _int_matmul(xq, xs, wq, ws):
+    """One token's int8 row through one expert's int8 weight [N, K]: rows padded to 17 (L28)."""
+    acc = device._int_mm(device.pad_rows_to(xq), wq.t().contiguous())[: xq.shape[0]]
+    return acc.float() * xs[:, None] * ws[None, :]
+
+
+def _gather(w: PackedFP4, experts: torch.Tensor) -> PackedFP4:
+    """The packed weights of the given experts (one per token); a dummy zero expert sits at the end."""
+    dummy = PackedFP4(torch.zeros_like(w.weight[:1]), torch.full_like(w.scale[:1], 127))
+    weight = torch.cat((w.weight, dummy.weight)).index_select(0, experts)
+    scale = torch.cat((w.scale, dummy.scale)).index_select(0, experts)
+    return PackedFP4(weight, scale)
+
+
+def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
+    """Clipped SwiGLU of int8 tokens through expert `e` of int8 weights (each [E, N, K])."""
+    act = moe.clipped_swiglu(_int_matmul(xq, xs, w1.qweight[e], w1.scale[e]),
+                             _int_matmul(xq, xs, w3.qweight[e], w3.scale[e]), limit)
+    aq, as_ = _quant_tokens(act)
+    return _int_matmul(aq, as_, w2.qweight[e], w2.scale[e])
+
+
+# Up to this many (token, expert) pairs, run each pair on its own requantised expert (decode);
+# above it, requantise the rank's experts once, run every expert over all tokens and keep its
+# rows where routed (prefill): both have fixed shapes, so neither needs a host sync.
+PAIRWISE_MAX = 64
+
+
+def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
+                   limit: float):
+    """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
+    exchanged over the EP group when there is one (lib/distributed/expert_exchange.py)."""
+    return ep.exchange(placement, x, weights, ids, ep.Experts(
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
+        functools.partial(ep.weighted_sum, out_dtype=DTYPE), torch.float32, DTYPE))
+
+
+def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
+                 limit: float) -> torch.Tensor:
+    """fp32 [T*k, d] expert rows of the (token, expert) pairs held by the EP ranks this process runs
+    (zero elsewhere: other ranks' experts map to the dummy zero expert, L06)."""
+    t, k = ids.shape
+    xq, xs = _quant_tokens(x)
+    rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
+    for rank in placement.ranks:
+        local = local_ids(ids, placement.local_of[rank])
+        mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
+        if t * k <= PAIRWISE_MAX:
+            for j in range(k):
+                g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j])) for w in mats)
+                for i in range(t):
+                    rows[i, j] = rows[i, j] + _expert(xq[i:i + 1], xs[i:i + 1], g1, g3, g2, i, limit)[0]
+            continue
+        g1, g3, g2 = (packed_fp4_to_w8a8(w) for w in mats)
+        for e in range(placement.n_local):
+            y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
+            rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)
+    return rows.reshape(t * k, -1)

@@ -1,0 +1,335 @@
+"""Engine benchmark: decode throughput with and without DSpark speculation, side by side.
+
+    python -m lib.bench.speculation [--backend cpu] [--tokens 64] [--batches 1,4,16] [--out DIR]
+
+Loads one checkpoint (default: the embedded tiny one) once, then for each batch size submits that
+many concurrent greedy requests (distinct prompts of 24-40 fixed token ids) to a fresh
+`lib.engine.llm_engine.Engine` and runs them to completion with `engine.generate`, in three modes:
+
+- plain:                    speculative="none"
+- dspark:                   speculative="dspark", the checkpoint's own drafter
+- dspark (oracle drafter):  speculative="dspark", but `lib.engine.drafting.propose` is patched so every
+                            draft block is the target's own greedy continuation (known from a
+                            reference plain run). The real drafter still runs (its cost is kept);
+                            only its tokens are replaced. An upper bound: every draft is accepted.
+
+Every run's outputs must equal the plain greedy outputs of the reference run (exit 1 otherwise).
+This is a benchmark, not a test: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("plain", "dspark", "oracle")
+LABELS = {"plain": "plain", "dspark": "dspark", "oracle": "dspark (oracle drafter)"}
+SPECULATIVE = {"plain": "none", "dspark": "dspark", "oracle": "dspark"}
+MAX_BATCH = 16                     # EngineConfig(max_num_seqs=16): every request of a run is concurrent
+N_PROMPTS = MAX_BATCH
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lib.bench.speculation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="cpu", help="cpu | ascend310p | ascend910 | hip936 (default cpu)")
+    p.add_argument("--tokens", type=int, default=64, help="max_tokens per request (default 64)")
+    p.add_argument("--batches", default="1,4,16",
+                   help=f"comma-separated concurrent request counts, each 1..{MAX_BATCH} (default 1,4,16)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the embedded tiny checkpoint)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per cell; the fastest is reported, every wall time is kept (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="write DIR/engine-bench.json (default: no file)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = p.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: expected comma-separated integers such as 1,4,16")
+    if not args.batches or any(not 1 <= b <= MAX_BATCH for b in args.batches):
+        p.error(f"--batches: each batch size must be in 1..{MAX_BATCH}")
+    if args.tokens < 1:
+        p.error("--tokens must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def make_prompts(cfg, n: int = N_PROMPTS) -> list[list[int]]:
+    """n distinct prompts of distinct lengths 24..40 (7 is coprime to 17), fixed token ids, no specials."""
+    special = {cfg.bos_token_id, cfg.eos_token_id, cfg.dspark_noise_token_id}
+    usable = [t for t in range(16, cfg.vocab_size) if t not in special]
+    prompts = []
+    for i in range(n):
+        length = 24 + (7 * i) % 17
+        prompts.append([usable[(i * 131 + j * 37 + (j * j) % 11) % len(usable)] for j in range(length)])
+    return prompts
+
+
+# ---- the oracle drafter ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def oracle_drafter(engine, references: dict[tuple[int, ...], list[int]]):
+    """Within the block, `lib.engine.drafting.propose` drafts the target's own greedy continuation.
+
+    The engine calls `dspark.propose(model, [r.output[-1] ...], [r.computed ...], rings, choose)` from
+    `Engine._draft` with rows in the order of its plan; the wrapper around this engine's `_draft`
+    records that plan, and each row is mapped back to its request, checked against the row's anchor
+    position (`starts`) and anchor token, and drafted from the request's prompt + reference output."""
+    from lib.engine import drafting as dspark
+
+    real_propose, real_draft = dspark.propose, engine._draft
+    planned: list = []
+
+    def draft(plan):
+        planned[:] = [s.request for s in plan]
+        return real_draft(plan)
+
+    def propose(model, anchors, starts, rings, choose):
+        block = real_propose(model, anchors, starts, rings, choose)      # keep the drafter's cost
+        gamma, vocab = block.tokens.shape[1], model.cfg.vocab_size
+        noise = model.cfg.dspark_noise_token_id
+        if len(planned) != len(anchors):
+            raise RuntimeError(f"oracle drafter: {len(anchors)} rows but the engine planned {len(planned)} drafts")
+        rows = []
+        for req, anchor, start in zip(planned, anchors, starts):
+            full = req.prompt + references[tuple(req.prompt)]
+            if req.computed != start or full[start] != anchor:
+                raise RuntimeError(f"oracle drafter: row for {req.id} (anchor {anchor} at {start}) does not match "
+                                   f"its request (computed {req.computed}, reference token "
+                                   f"{full[start] if start < len(full) else None})")
+            ahead = full[start + 1: start + 1 + gamma]
+            rows.append(ahead + [noise] * (gamma - len(ahead)))  # past max_tokens: never verified
+        tokens = torch.tensor(rows, dtype=torch.int64)
+        probs = torch.zeros(*tokens.shape, vocab).scatter_(-1, tokens.unsqueeze(-1), 1.0)  # one-hot: deterministic
+        return dspark.DraftBlock(tokens, probs, block.confidence)
+
+    dspark.propose, engine._draft = propose, draft
+    try:
+        yield
+    finally:
+        dspark.propose = real_propose
+        del engine._draft                                       # back to the class method
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references=None) -> dict:
+    from lib.engine.llm_engine import Engine, EngineConfig
+    from lib.engine.sampling import SamplingParams
+
+    engine = Engine(model, EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512,
+                                        speculative=SPECULATIVE[mode]))
+    first: dict[str, float] = {}
+    steps = 0
+    real_step = engine.step
+
+    def step():
+        nonlocal steps
+        outputs = real_step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outputs:
+            if o.new_tokens and o.request_id not in first:
+                first[o.request_id] = now
+        return outputs
+
+    engine.step = step
+    oracle = oracle_drafter(engine, references) if mode == "oracle" else contextlib.nullcontext()
+    with oracle:
+        t0 = time.perf_counter()
+        reqs = engine.generate(prompts, SamplingParams(max_tokens=tokens))
+        wall = time.perf_counter() - t0
+    generated = sum(len(r.output) for r in reqs)
+    ttft = [first[r.id] - t0 for r in reqs]
+    drafted, accepted = list(engine.drafted), list(engine.accepted)
+    per_step = sum(accepted) / drafted[0] if drafted and drafted[0] else None
+    return {
+        "mode": mode, "label": LABELS[mode], "speculative": SPECULATIVE[mode], "batch": len(prompts),
+        "max_tokens": tokens, "generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_s": ttft, "engine_steps": steps,
+        "gamma": engine.gamma, "drafted": drafted, "accepted": accepted,
+        "dspark_steps": drafted[0] if drafted else 0,
+        "mean_accepted_per_dspark_step": per_step,
+        "tokens_per_target_forward": 1.0 if per_step is None else 1.0 + per_step,
+        "finish_reasons": sorted({r.finish_reason for r in reqs}),
+        "outputs": [list(r.output) for r in reqs],
+    }
+
+
+def check_lossless(run: dict, prompts: list[list[int]], references) -> str | None:
+    """None if every output equals the plain greedy reference, else what differs first."""
+    for i, (prompt, out) in enumerate(zip(prompts, run["outputs"])):
+        ref = references[tuple(prompt)]
+        if out != ref:
+            at = next((k for k, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            return (f"{run['label']} batch {run['batch']}: request {i} (prompt of {len(prompt)} tokens) differs "
+                    f"from the plain greedy reference at output token {at}: got {out[at:at + 4]}, "
+                    f"expected {ref[at:at + 4]} (lengths {len(out)} / {len(ref)})")
+    return None
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def table(result: dict) -> str:
+    batches = result["batches"]
+    cell = {(r["mode"], r["batch"]): r for r in result["runs"]}
+    width = max(len(v) for v in LABELS.values()) + 4
+    head = "".ljust(width) + "".join(f"{'batch ' + str(b):>12}" for b in batches)
+    lines = []
+
+    def section(title, modes, value, spec, suffix=""):
+        lines.append(title)
+        for m in modes:
+            lines.append(("  " + LABELS[m]).ljust(width)
+                         + "".join(f"{_fmt(value(m, b), spec, suffix):>12}" for b in batches))
+
+    lines.append(head)
+    section("generated tokens/s (wall clock, prefill included)", MODES,
+            lambda m, b: cell[m, b]["tokens_per_s"], ".1f")
+    section("ratio to plain tokens/s", ("dspark", "oracle"),
+            lambda m, b: result["speedup"][m][str(b)], ".2f", "x")
+    section("time to first token, mean ms", MODES, lambda m, b: 1e3 * cell[m, b]["ttft_mean_s"], ".0f")
+    section(f"accepted drafts per DSpark step (mean, of gamma={result['gamma']})", ("dspark", "oracle"),
+            lambda m, b: cell[m, b]["mean_accepted_per_dspark_step"], ".2f")
+    section("tokens per target forward (per request)", MODES,
+            lambda m, b: cell[m, b]["tokens_per_target_forward"], ".2f")
+    section("engine steps (batched target forwards)", MODES, lambda m, b: cell[m, b]["engine_steps"], "d")
+    section("wall s", MODES, lambda m, b: cell[m, b]["wall_s"], ".2f")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = "".join(f"{k}={shlex.quote(os.environ[k])} " for k in ("OMP_NUM_THREADS",) if k in os.environ)
+    command = env + "python -m lib.bench.speculation" + ("" if not argv else " " + shlex.join(argv))
+    print(f"$ {command}", flush=True)
+    args = parse_args(argv)
+    previous_threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, command)
+    finally:                                    # main() may run inside another process (tests)
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
+    from tqdm import tqdm
+    from lib.runtime.loaded_model import load_model
+    from lib.weights.tiny_checkpoint import embedded_tiny
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    path = Path(args.checkpoint) if args.checkpoint else embedded_tiny()
+    t0 = time.perf_counter()
+    model = load_model(path, args.backend)
+    load_s = time.perf_counter() - t0
+    prompts = make_prompts(model.cfg)
+    lengths = [len(p) for p in prompts]
+    print(f"checkpoint {path}{' (embedded tiny)' if not args.checkpoint else ''}; backend {args.backend} "
+          f"(compute {str(model.state_dtype).removeprefix('torch.')}); torch {torch.__version__}; "
+          f"threads {torch.get_num_threads()}; python {platform.python_version()}", flush=True)
+    print(f"requests: greedy, max_tokens {args.tokens}, distinct prompts of {min(lengths)}-{max(lengths)} tokens; "
+          f"EngineConfig(max_num_seqs={MAX_BATCH}, max_num_batched_tokens=512); model load {load_s:.2f} s "
+          "(excluded)", flush=True)
+
+    # The reference (plain greedy outputs of every prompt the runs use) doubles as the warm-up;
+    # a short DSpark run warms the drafter programs.
+    n_ref = max(args.batches)
+    t0 = time.perf_counter()
+    reference = run_once(model, prompts[:n_ref], args.tokens, "plain")
+    reference_s = time.perf_counter() - t0
+    references = {tuple(p): out for p, out in zip(prompts[:n_ref], reference["outputs"])}
+    run_once(model, prompts[:1], min(args.tokens, 4), "dspark")
+
+    runs, failures = [], []
+    # modes interleaved per batch (and repeats innermost): fairer when the machine's load drifts
+    jobs = [(b, m) for b in args.batches for m in MODES for _ in range(args.repeats)]
+    tries: dict[tuple[str, int], list[dict]] = {}
+    for b, m in tqdm(jobs, desc="engine runs", unit="run", disable=args.no_progress, file=sys.stderr):
+        run = run_once(model, prompts[:b], args.tokens, m, references)
+        problem = check_lossless(run, prompts[:b], references)
+        run["lossless"] = problem is None
+        if problem:
+            failures.append(problem)
+        tries.setdefault((m, b), []).append(run)
+    for cell_tries in tries.values():
+        best = dict(min(cell_tries, key=lambda r: r["wall_s"]))
+        best["lossless"] = all(r["lossless"] for r in cell_tries)
+        best["repeats"] = len(cell_tries)
+        best["wall_s_all"] = [r["wall_s"] for r in cell_tries]
+        best["tokens_per_s_all"] = [r["tokens_per_s"] for r in cell_tries]
+        best["ttft_mean_s_all"] = [r["ttft_mean_s"] for r in cell_tries]
+        runs.append(best)
+
+    gamma = next((r["gamma"] for r in runs if r["gamma"]), 0)
+    cell = {(r["mode"], r["batch"]): r for r in runs}
+    speedup = {m: {str(b): cell[m, b]["tokens_per_s"] / cell["plain", b]["tokens_per_s"] for b in args.batches}
+               for m in ("dspark", "oracle")}
+    result = {
+        "command": command, "argv": argv, "backend": args.backend, "checkpoint": str(path),
+        "embedded_tiny": not args.checkpoint, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "compute_dtype": str(model.state_dtype),
+        "max_tokens": args.tokens, "batches": args.batches, "repeats": args.repeats, "gamma": gamma, "prompt_lengths": lengths[:n_ref],
+        "engine_config": {"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512},
+        "load_average_1m_before": load_before,
+        "load_average_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "model_load_s": load_s, "reference_run_s": reference_s,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+        "speedup": speedup, "lossless": not failures, "lossless_failures": failures,
+    }
+    result["total_wall_s"] = time.perf_counter() - started
+
+    print()
+    print(table(result))
+    print()
+    print("notes:")
+    per_cell = "one run per cell" if args.repeats == 1 else f"the fastest of {args.repeats} runs per cell"
+    print("  - tokens/s = generated tokens / wall clock from submitting all requests to the last finishing")
+    print(f"    ({per_cell}; model load excluded, prefill included); time to first token is from submission.")
+    print("  - the tiny checkpoint's drafter is randomly initialised, so real DSpark acceptance is near zero and the")
+    print("    'dspark' row mostly measures drafting + verification overhead.")
+    print("  - 'dspark (oracle drafter)' proposes the target's own greedy continuation (from a plain reference run):")
+    print("    every draft is accepted, an upper bound of what the machinery yields. The real drafter still runs")
+    print("    for its cost; only its proposed tokens are replaced.")
+    busy = load_before is not None and load_before + torch.get_num_threads() > (os.cpu_count() or 1) + 0.5
+    if busy:
+        threads = torch.get_num_threads()
+        print(f"  - WARNING: the machine was busy (1-minute load {load_before:.1f} on {os.cpu_count()} cores, "
+              f"{threads} torch thread{'s' if threads > 1 else ''}): the numbers are noisy"
+              + ("; oversubscribed threads can be several times\n    slower, try OMP_NUM_THREADS=1 or --threads 1."
+                 if threads > 1 else "."))
+    if failures:
+        print(f"lossless: FAILED, {len(failures)} of {len(jobs)} runs differ from the plain greedy outputs:")
+        for f in failures:
+            print(f"  {f}")
+    else:
+        print(f"lossless: yes, all {len(jobs)} runs' outputs equal the plain greedy outputs (reference: plain, "
+              f"batch {n_ref})")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engine-bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out / 'engine-bench.json'}")
+    print(f"total {result['total_wall_s']:.1f} s")
+    if failures:
+        print("engine benchmark: speculative outputs are NOT lossless (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The `dsv4gen` command line: one subcommand per user task, each exiting non-zero on failure (B22).
+
+Subcommands parse arguments and call into the library; errors the user can fix (bad spec,
+broken checkpoint, bad arguments) print one clear message to stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd_make_tiny(args) -> int:
+    from lib.weights.tiny_checkpoint import make_tiny
+    from spec.variants import parse_set_args
+
+    out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
+                    overwrite=args.force, progress=True)
+    print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
+    return 0
+
+
+def _cmd_inventory(args) -> int:
+    from lib.weights.checkpoint import summary
+    from spec.variants import variant_config
+
+    result = summary(variant_config(args.variant))
+    if args.json:
+        print(json.dumps({"variant": args.variant, **result}, indent=2))
+        return 0
+    print(f"{args.variant}: {result['all']['tensors']:,} tensors, {result['all']['bytes']:,} bytes")
+    print(f"  of which mtp.*: {result['mtp']['tensors']:,} tensors, {result['mtp']['bytes']:,} bytes")
+    print("  dtypes: " + ", ".join(f"{k} {v:,}" for k, v in result["all"]["dtypes"].items()))
+    return 0
+
+
+def _cmd_build(args) -> int:
+    from codegen.build import build, diff
+    from spec.profile import backend_names
+
+    backends = backend_names() if args.backend == "all" else [args.backend]
+    failed = False
+    for name in backends:
+        if args.check:
+            problems = diff(name)
+            for p in problems:
+                print(p, file=sys.stderr)
+            if problems:
+                print(f"generated code of backend '{name}' is out of date; run: dsv4gen build --backend {name}",
+                      file=sys.stderr)
+                failed = True
+            else:
+                print(f"{name}: generated code is up to date")
+        else:
+            changed = build(name)
+            print(f"{name}: " + (", ".join(changed) if changed else "up to date"))
+    return 1 if failed else 0
+
+
+def _model_path(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from lib.weights.tiny_checkpoint import embedded_tiny
+    print("using the embedded tiny checkpoint (made on first use)", file=sys.stderr)
+    return embedded_tiny()
+
+
+def _load_options(args):
+    from lib.weights.params import LoadOptions
+    return LoadOptions(expert_mode=args.expert_mode, preconverted=args.preconverted)
+
+
+def _cmd_convert(args) -> int:
+    from lib.weights.expert_conversion import convert
+
+    out = convert(_model_path(args), args.backend, args.out, tp=args.tp, ep=args.ep, overwrite=args.force,
+                  progress=True)
+    print(f"wrote {args.backend} routed experts for TP={args.tp} EP={args.ep} to {out}")
+    return 0
+
+
+def _cmd_conformance(args) -> int:
+    from lib.porting import conformance
+    from lib.porting.faults import CATALOGUE
+
+    if args.list_injections:
+        for bug, inj in CATALOGUE.items():
+            print(f"{bug}  {inj.what}  [{', '.join(inj.backends)}]")
+        return 0
+    if args.backend is None:
+        raise ValueError("--backend is required (accepted: ascend310p, ascend910, hip936)")
+    needs = CATALOGUE[args.inject].min_tp if args.inject in CATALOGUE else 1
+    if args.tp < needs:
+        raise ValueError(f"{args.inject} shows only on TP ranks past 0: add --tensor-parallel-size {needs} "
+                         "(or more) so conformance runs the ranks in their own processes")
+    if max(args.tp, args.ep) > 1:
+        return _parallel_conformance(args)
+    report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
+                             expert_mode=args.expert_mode, ep_sim=args.ep_sim)
+    print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
+    print(report.table())
+    if args.inject is None:
+        print("PASS" if report.passed else "FAIL")
+        return 0 if report.passed else 1
+    failed = [c.name for c in report.checks if not c.passed]
+    print(f"{args.inject} detected by: {', '.join(failed)}" if failed else f"{args.inject} went UNNOTICED")
+    return 0 if failed else 1
+
+
+def _parallel_conformance(args) -> int:
+    """TP / EP ranks in their own processes must decode exactly like one process."""
+    from lib.porting import parallel_check
+    from spec.profile import load_profile
+
+    dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
+    print(f"conformance of backend {args.backend} on TP={args.tp} EP={args.ep} ({dispatch})"
+          + (f" with injected {args.inject}" if args.inject else ""))
+    results = parallel_check.check(_model_path(args), args.backend, args.tp, args.ep, dispatch, steps=args.steps,
+                                   options=_load_options(args), inject=args.inject)
+    for r in results:
+        print(r.line())
+    differ = [r for r in results if r.first_difference is not None]
+    if args.inject is None:
+        print("FAIL" if differ else "PASS")
+        return 1 if differ else 0
+    print(f"{args.inject} detected by: TP/EP greedy agreement" if differ else f"{args.inject} went UNNOTICED")
+    return 0 if differ else 1
+
+
+def _cmd_diff(args) -> int:
+    from lib.porting.review_diff import backend_diff, spec_diff
+
+    if args.spec:
+        if not args.backend:
+            raise ValueError("diff --spec OLD --against NEW needs --backend")
+        sys.stdout.write(spec_diff(Path(args.spec), Path(args.against), args.backend))
+    else:
+        if not (args.backend and args.against):
+            raise ValueError("diff needs --backend A --against B (or --spec OLD --against NEW --backend X)")
+        sys.stdout.write(backend_diff(args.backend, args.against))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from spec.profile import backend_names
+
+    p = argparse.ArgumentParser(prog="dsv4gen", description="Spec-driven DeepSeek-V4 compiler, runtime and porting tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-tiny", help="write a small random checkpoint in the official format")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
+    s.add_argument("--shards", type=int, default=4)
+    s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
+    s.set_defaults(func=_cmd_make_tiny)
+
+    s = sub.add_parser("inventory", help="tensor count and bytes of a real checkpoint, from the spec alone")
+    s.add_argument("--variant", default="flash-0731")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_inventory)
+
+    s = sub.add_parser("build", help="regenerate backends/<name>/_generated from spec + profile")
+    s.add_argument("--backend", default="all", choices=["all", *backend_names()])
+    s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
+    s.set_defaults(func=_cmd_build)
+
+    s = sub.add_parser("convert", help="convert routed experts once for a backend's preconverted expert mode")
+    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size it is loaded with (checked and recorded; experts are not TP-split)")
+    s.add_argument("--ep", type=int, default=1, help="expert-parallel size: one file of routed experts per EP rank")
+    s.add_argument("--out", help="output folder (default: <model>/converted-<backend>-tp<T>-ep<E>)")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder")
+    s.set_defaults(func=_cmd_convert)
+
+    from lib.cli.plan import add_parser as add_plan
+    add_plan(sub, backend_names())
+
+    from lib.cli.bench import add_parser as add_bench
+    add_bench(sub, backend_names())
+
+    s = sub.add_parser("diff", help="review two backends' lowerings, or what a spec edit changes in one")
+    s.add_argument("--backend", choices=backend_names())
+    s.add_argument("--against", help="the other backend, or the NEW spec folder with --spec")
+    s.add_argument("--spec", help="the OLD spec folder (compare generated code of --backend)")
+    s.set_defaults(func=_cmd_diff)
+
+    s = sub.add_parser("conformance", help="check a device backend against the cpu reference on CPU")
+    s.add_argument("--backend", choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    s.add_argument("--inject", help="re-introduce a catalogued field bug (see --list-injections)")
+    s.add_argument("--list-injections", action="store_true")
+    s.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps")
+    s.add_argument("--ep-sim", type=int, default=2, help="expert-parallel ranks simulated in one process")
+    s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
+    s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
+    from lib.launcher.arguments import add_parallel_arguments
+    add_parallel_arguments(s)
+    s.set_defaults(func=_cmd_conformance)
+
+    sub.add_parser("serve", help="OpenAI-compatible server, same as `python -m serve` (see serve --help)")
+    from lib.cli.run import add_arguments
+    add_arguments(sub, backend_names(), _model_path, _load_options)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lib.weights.checkpoint import CheckpointError
+    from lib.runtime.hostmem import keep_freed_memory
+    from spec.yamlio import SpecError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
+        from serve.cli import main as serve_main
+        return serve_main(argv[1:])
+    keep_freed_memory()                          # lib/runtime/hostmem.py: large temporaries reuse the heap
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, CheckpointError, FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"dsv4gen {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""`dsv4gen plan`: predicted memory and decode speed of a deployment on a real device, and `--ops`.
+
+Parses the arguments, lets lib/planner/plan.py refuse what the spec or profile cannot honour (a
+ValueError becomes one message and exit status 2 in lib/cli/main.py), and prints the plan as a table
+or, with --json, as the JSON lib/planner/plan.py lays out. Knows formatting, not arithmetic.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+GIB = 1 << 30
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """'134217728', '128MiB', '4GiB', '48GB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read '{text}' as a size (examples: 134217728, 128MiB, 4GiB, 48GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _size(text: str) -> int:
+    import argparse
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_parser(sub, backend_names: list[str]) -> None:
+    s = sub.add_parser("plan", help="memory and decode speed of a deployment on a real device, from the spec and "
+                                    "the backend profile (--ops: launches per decode step)")
+    s.add_argument("--backend", default="all", choices=["all", *backend_names])
+    s.add_argument("--ops", action="store_true", help="count kernel launches and host syncs of one decode step")
+    s.add_argument("--record", action="store_true",
+                   help="with --ops: keep the counts in data/decode-launches.json for the speed planner")
+    s.add_argument("--model", help="with --ops: checkpoint to count on (default: Flash-0731's schedule, widths shrunk)")
+    s.add_argument("--variant", default="flash-0731", help="model variant (spec/models)")
+    s.add_argument("--devices", type=int, default=8)
+    s.add_argument("--tp", type=int, help="tensor-parallel size (default: --devices)")
+    s.add_argument("--ep", type=int, help="expert-parallel size (default: --devices)")
+    s.add_argument("--expert-mode", help="routed-expert mode of the profile (ascend310p: resident, streaming, "
+                                         "preconverted)")
+    s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory the runtime may use")
+    s.add_argument("--kv-cache-bytes", type=_size, help="explicit KV pool (e.g. 128MiB) instead of the fraction")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (sizes the entry groups)")
+    s.add_argument("--speculative", choices=["dspark", "none"], default="dspark",
+                   help="none: no drafter rings and no DSpark round (the drafter's weights still load: the runtime "
+                        "loads every checkpoint tensor)")
+    s.add_argument("--acceptance", type=float, default=0.5, help="DSpark accepted / drafted (310P field: 0.48)")
+    s.add_argument("--context", type=int, help="context length of the predicted decode step (default: max-model-len)")
+    s.add_argument("--shard-bytes", type=_size, default=4 * GIB, help="preconverted shard limit (default 4GiB)")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.set_defaults(func=cmd_plan)
+
+
+def _ops(args) -> int:
+    from lib.planner.launch_counts import decode_launches, format_report, record
+    from spec.profile import backend_names
+
+    reports = []
+    for backend in (backend_names() if args.backend == "all" else [args.backend]):
+        reports.append(decode_launches(backend, Path(args.model) if args.model else None))
+        print(format_report(reports[-1]))
+    if args.record:
+        if args.model:
+            raise ValueError("--record keeps counts of the default shrunk Flash-0731 checkpoint only; drop --model")
+        print(f"recorded in {record(reports)}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from lib.planner.plan import as_json, make_plan
+    from lib.planner.memory import Deployment
+    from spec.profile import backend_names
+
+    if args.ops:
+        return _ops(args)
+    if args.record:
+        raise ValueError("--record goes with --ops (it records launch counts)")
+    if args.backend == "all":
+        devices = [b for b in backend_names() if b != "cpu"]
+        raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
+                         f"`--backend all` is for --ops")
+    d = Deployment(args.backend, args.variant, args.devices, args.tp or args.devices, args.ep or args.devices,
+                   args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
+                   args.speculative == "dspark", args.shard_bytes)
+    plan = make_plan(d, args.context, args.acceptance)
+    if args.json:
+        print(json.dumps(as_json(plan), indent=2))
+    else:
+        print(format_plan(plan))
+    if not plan.fits:
+        print(f"dsv4gen plan: warning: the weights do not fit {plan.deployment.memory_fraction:g} of device memory",
+              file=sys.stderr)
+    return 0
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(p) -> str:
+    d, w, dev = p.deployment, p.weights, p.device
+    roll = w.rollup()
+    mode = f"experts {d.expert_mode or 'default'} ({w.expert_format})"
+    out = [f"{d.variant} on {d.devices} x {d.backend}, TP {d.tp}, EP {d.ep}, {mode}",
+           f"device: {dev.doc}",
+           "  " + ", ".join(f"{label} {fmt(getattr(dev, name).value)} [{getattr(dev, name).basis}]" for label, name, fmt in (
+               ("memory", "memory_bytes", _g), ("bandwidth", "memory_bandwidth_bytes_per_s", lambda v: f"{v / 1e9:g} GB/s"),
+               ("launch", "launch_latency_s", lambda v: f"{v * 1e6:g} us"),
+               ("link", "link_bandwidth_bytes_per_s", lambda v: f"{v / 1e9:g} GB/s"),
+               ("collective", "collective_latency_s", lambda v: f"{v * 1e6:g} us"),
+               ("reserve", "runtime_reserve_bytes", _g))),
+           "", "weights per device",
+           *(f"  {label:<42}{_g(roll[key]):>11}" for label, key in (
+               ("resident weights (target, non-expert)", "resident_weights"),
+               (f"routed experts ({w.n_local} per rank, {w.expert_format})", "routed_experts"),
+               ("scales (target)", "scales"), ("draft (mtp.*, every class)", "draft"), ("total", "total"))),
+           *textwrap.wrap("by class (target, GiB): " + ", ".join(
+               f"{c.tensor_class} {c.runtime_format} {(c.data + c.scale) / GIB:.3f}"
+               for c in sorted(w.target, key=lambda c: -(c.data + c.scale))), 110, initial_indent="  ",
+               subsequent_indent="    "),
+           "", "KV cache per device (one shared KV head: every TP rank holds the whole cache)",
+           *(f"  {kind:<19} {p.layout.per_token[kind]:>10,.0f} bytes per token  ({_held(kind)})"
+             for kind in p.layout.per_token),
+           f"  the engine reserves {p.capacity.per_admitted_token:,.0f} bytes per admitted position (tokens-group rows "
+           f"of every position-keyed pool + its share of the entry groups)",
+           "", _budget(p),
+           f"  KV capacity: {p.capacity.engine_tokens:,} tokens (engine num_blocks {p.capacity.engine_blocks:,} of "
+           f"{p.layout.block_tokens}); {p.capacity.engine_tokens // d.max_model_len:,} sequences of {d.max_model_len:,}"
+           + ("  ** not one sequence of --max-model-len fits **" if p.capacity.engine_tokens < d.max_model_len else ""),
+           *([f"  if the tokens group held live windows only (release_old) the pool would hold "
+              f"{p.capacity.windowed_tokens:,} tokens ({_g(p.capacity.sequence_bytes)} per sequence of "
+              f"{d.max_model_len:,})"] if p.capacity.windowed_tokens > p.capacity.engine_tokens else []),
+           f"  occupied: {_g(p.occupied)} of {_g(p.device_memory)}",
+           "", f"preconverted checkpoint (target only, B17; each rank's runtime tensors, {p.preconverted.runtime_format}):",
+           f"  {_g(p.preconverted.total_bytes)} in {p.preconverted.shards_per_rank * p.preconverted.ranks} shards "
+           f"({p.preconverted.shards_per_rank} per rank, <= {_g(d.shard_bytes)}); " + (
+               f"`dsv4gen convert` output (routed experts only): {_g(p.preconverted.convert_output_bytes)}"
+               if p.preconverted.convert_output_bytes is not None else
+               f"{d.backend} has no preconverted expert mode (`dsv4gen convert` refuses it)"),
+           "", *_speed(p)]
+    return "\n".join(out)
+
+
+def _held(kind: str) -> str:
+    from lib.planner.cache_layout import HELD
+    return HELD[kind]
+
+
+def _budget(p) -> str:
+    d = p.deployment
+    head = (f"memory: KV pool set to {_g(p.capacity.pool_bytes)} (--kv-cache-bytes)" if d.kv_cache_bytes is not None
+            else f"memory: {d.memory_fraction:g} x {_g(p.device_memory)} = {_g(p.budget)} - weights "
+                 f"{_g(p.weights_bytes)} - workspace {_g(p.workspace)} - reserve {_g(p.reserve)} = KV pool "
+                 f"{_g(p.capacity.pool_bytes)}")
+    return head + ("" if p.fits else "  ** DOES NOT FIT **")
+
+
+def _step(name: str, s) -> str:
+    return (f"  {name:<7} {s.bytes_read / 1e9:7.2f} GB read {s.memory_s * 1e3:8.1f} ms + {s.launches:>6,} launches "
+            f"{s.launch_s * 1e3:8.1f} ms + {s.collectives:>4} collectives {s.collective_s * 1e3:6.1f} ms "
+            f"= {s.seconds * 1e3:8.1f} ms")
+
+
+def _speed(p) -> list[str]:
+    s = p.speed
+    out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives):",
+           _step("plain", s.plain) + f"  -> {1 / s.plain.seconds:.2f} tok/s"]
+    if s.verify is not None:
+        out += [_step("verify", s.verify), _step("draft", s.draft),
+                f"  DSpark: block {s.block}, acceptance {s.acceptance:g} -> {s.tokens_per_round:.2f} tokens per "
+                f"{s.round_s * 1e3:.1f} ms round = {s.dspark_per_token_s * 1e3:.1f} ms per token -> "
+                f"{1 / s.dspark_per_token_s:.2f} tok/s"]
+    return out

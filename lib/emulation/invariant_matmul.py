@@ -1,0 +1,67 @@
+"""Matmul whose result for a row does not depend on how many rows come with it (CPU emulation).
+
+CPU BLAS picks kernels and blockings by shape: row 0 of A[:m] @ B changes with m (measured here:
+fp32 with K=1024, N=24 differs between m = 3 and m = 43; a single row takes a gemv path that
+differs from every m >= 2). A device gives a token the same answer in any batch only if its
+kernels do; the emulation models such a device, because the engine's guarantees (a request's
+tokens do not depend on its batch; DSpark's verify of six rows equals six one-row decodes) are
+tested here and must not fail through an artefact of the host BLAS. So on CPU every product is
+made of [ROWS, K] @ [K, N] products, the rows padded with zeros to a multiple of ROWS: one shape,
+so one kernel and one order of summation for a row wherever it sits in a block and whatever rows
+come with it (checked here for fp32, bf16 and fp16 at every position of a block). On a real device
+the plain matmul runs and batch invariance is the kernels' property.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+# Rows per block. Until stop 15 every row was its own item of one bmm against the weight expanded
+# per row, which copied the weight once per row (aten::copy_ was 65% of hip936's emulated prefill)
+# and ran bf16 per row 50-90x slower than this (a 512 x 1024 @ 1024 x 512 bf16 product: 727 ms
+# against 14 ms). 8 rows cost a one-row decode product about what one row did in bf16, twice in fp32.
+ROWS = 8
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., K] @ b [K, N] -> [..., N]."""
+    if not a.is_cpu:
+        return a @ b
+    if torch._C._len_torch_dispatch_stack():
+        # Under the capability guard (lib/guard/capability.py), which counts launches as the device would run
+        # them: the device runs this product as one matmul, so one plain product is counted and
+        # checked in its place, and the values come from the blocks, out of the guard's sight.
+        a @ b
+        with _disable_current_modes():
+            return _blocks(a, b)
+    return _blocks(a, b)
+
+
+def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    lead = a.shape[:-1]
+    rows = a.reshape(-1, a.shape[-1]).contiguous()                          # [M, K], one layout for every call
+    m = rows.shape[0]
+    if m == 0:
+        return a.new_zeros((*lead, b.shape[-1]))
+    if m % ROWS:
+        rows = torch.cat([rows, rows.new_zeros(ROWS - m % ROWS, rows.shape[1])])
+    out = torch.cat([torch.mm(rows[i:i + ROWS], b) for i in range(0, rows.shape[0], ROWS)])    # [M + pad, N]
+    return out[:m].reshape(*lead, b.shape[-1])
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N], where row m of item i does not depend on M either.
+
+    Attention's heads are the M of a per-token product, and tensor parallelism changes how many
+    heads a rank holds: measured here, one head's fp32 logits differ between M = 8 and M = 2 (one
+    process vs TP=4), which flipped a greedy token on ascend910. On CPU each of the B*M rows is its
+    own batch item again, at the cost of B's operand repeated M times (emulation-sized shapes)."""
+    if not a.is_cpu:
+        return torch.bmm(a, b)
+    batch, m = a.shape[:2]
+    rows = a.reshape(batch * m, 1, a.shape[-1]).contiguous()                           # [B*M, 1, K]
+    # contiguous whatever B is: with B = 1 the reshape is a stride-0 view, and BLAS rounds a
+    # strided operand differently (one decoded token against a verify of six broke otherwise)
+    shared = b.unsqueeze(1).expand(batch, m, *b.shape[1:]).reshape(batch * m, *b.shape[1:]).contiguous()
+    return torch.bmm(rows, shared).reshape(batch, m, b.shape[-1])

@@ -1,0 +1,102 @@
+"""DSpark drafting (DSV4-REFERENCE §5.2): context rings, the draft block, Markov and confidence heads.
+
+The numerics of every stage are the backend's generated programs (`draft_context`, `ring_entry`,
+`draft` in backends/<name>/_generated/model.py); this module only sequences them. The Markov
+stage is host-driven by nature (each position's token is chosen before the next position's bias
+exists), so it runs here, in fp32, through a caller-supplied `choose` that applies the request's
+sampling rules: the drafter proposes from exactly the distribution verification is told about.
+
+What this module must not know: caches, scheduling, requests. Rings come in as tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from lib.records.batch import Batch
+from lib.runtime.loaded_model import Model
+from lib.records.decode_state import LayerCache
+from spec.schedule import drafter, drafter_kind
+
+# choose(logits [S, V] fp32, k) -> (ids [S] int64, probs [S, V] fp32 or None at temperature 0)
+Choose = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class DraftBlock(NamedTuple):
+    tokens: torch.Tensor             # [S, gamma] int64 drafts x_1..x_gamma for positions L+1..L+gamma
+    probs: torch.Tensor | None       # [S, gamma, V] the distribution each draft was drawn from (None: greedy)
+    confidence: torch.Tensor         # [S, gamma] raw confidence logits c_k (sigma(c_k) = survival estimate)
+
+
+def check_drafter(model: Model) -> None:
+    """A clear refusal for checkpoints whose drafter this engine cannot run."""
+    kind = drafter_kind(model.cfg)
+    if kind == "none":
+        raise ValueError(f"{model.root}: the checkpoint has no drafter (compress_ratios lists only the "
+                         f"{model.cfg.num_hidden_layers} backbone layers); use --speculative none")
+    if kind == "mtp":
+        raise ValueError(f"{model.root}: this is a preview checkpoint with a classic MTP-1 layer (mtp.0); only "
+                         "DSpark drafting (DeepSeek-V4-Flash-0731) is supported, use --speculative none")
+
+
+def block_size(model: Model) -> int:
+    return model.cfg.dspark_block_size
+
+
+def _positions_batch(positions: torch.Tensor) -> Batch:
+    """A one-sequence batch record that only carries positions (the ring-entry RoPE reads them)."""
+    n = positions.shape[0]
+    return Batch(torch.zeros(n, dtype=torch.int64), positions, (n,), (0,))
+
+
+def context_rows(model: Model, hidden: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+    """Ring rows kappa_s(main_x(p), p) for committed positions: one [n, head_dim] per stage.
+
+    hidden [n, k*d] main_hidden of those positions (the target forward's taps), positions [n]."""
+    mod, params, cfg = model.module, model.params, model.cfg
+    with torch.inference_mode():
+        main_x = mod.draft_context(params, hidden, cfg, model.rope)
+        batch = _positions_batch(positions)
+        return [mod.ring_entry(lp, main_x, batch, layer, cfg, model.rope).to(model.state_dtype)
+                for layer, lp in zip(drafter(cfg), params.drafter)]
+
+
+def propose(model: Model, anchors: list[int], starts: list[int], rings: list[list[torch.Tensor]],
+            choose: Choose) -> DraftBlock:
+    """Draft gamma tokens after each sequence's anchor.
+
+    anchors[s]: the token sampled for position starts[s] (= the sequence's committed length L),
+    not yet seen by the target; rings[s][stage] [<= W, head_dim]: that stage's ring over committed
+    positions [L - W, L), oldest first."""
+    cfg, gamma = model.cfg, block_size(model)
+    noise = cfg.dspark_noise_token_id          # from the config, never 0 (B15)
+    tokens = torch.tensor([t for a in anchors for t in [a] + [noise] * (gamma - 1)], dtype=torch.int64)
+    positions = torch.tensor([s + i for s in starts for i in range(gamma)], dtype=torch.int64)
+    batch = Batch(tokens, positions, (gamma,) * len(anchors), tuple(starts))
+    stage_caches = [LayerCache([r[stage] for r in rings], None, None) for stage in range(len(drafter(cfg)))]
+    with torch.inference_mode():
+        base, y = model.module.draft(model.params, batch, stage_caches, cfg, model.rope)
+    return _markov(model, base.float().unflatten(0, (len(anchors), gamma)),
+                   y.float().unflatten(0, (len(anchors), gamma)), torch.tensor(anchors), choose)
+
+
+def _markov(model: Model, base: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, choose: Choose) -> DraftBlock:
+    """Sequential Markov head, left to right from x_0 = anchor (§5.2):
+    e_k = W1[x_{k-1}], l_k = U_k + W2 e_k, x_k ~ choose(l_k), c_k = w_c . [y_k ; e_k].
+
+    base [S, gamma, V] logits U, y [S, gamma, d] pre-norm reduced states."""
+    last = model.params.drafter[-1]
+    w1 = last["markov_head.markov_w1.weight"].float()           # [V, r]
+    w2 = last["markov_head.markov_w2.weight"].float()           # [V, r]
+    wc = last["confidence_head.proj.weight"].float()[0]         # [d + r]
+    prev, ids, probs, conf = anchors, [], [], []
+    for k in range(base.shape[1]):
+        e = w1.index_select(0, prev)                             # [S, r]
+        logits = base[:, k] + e @ w2.t()                         # [S, V]
+        prev, p = choose(logits, k)
+        ids.append(prev)
+        probs.append(p)
+        conf.append(torch.cat((y[:, k], e), dim=-1) @ wc)
+    stacked = None if probs[0] is None else torch.stack(probs, dim=1)
+    return DraftBlock(torch.stack(ids, dim=1), stacked, torch.stack(conf, dim=1))

@@ -1,0 +1,221 @@
+"""The engine: requests in, tokens out, one batched forward per `step()`, on any backend.
+
+Each step the scheduler picks work (decodes first, then prefill chunks); requests in their decode
+phase get DSpark drafts; ONE target forward scores every fed token over the paged cache without
+committing; then each request's rows are sampled (prefill end, plain decode) or verified (drafts),
+and only what was accepted is committed. Rejected positions are never committed, so they leave
+no trace (lib/runtime/paged_cache.py keeps every piece of state keyed by position). Drafter rings are written
+from the target's own features of committed positions only.
+
+Must not know: HTTP, chat formats. The server drives `step()` from its own loop.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, NamedTuple
+
+import torch
+
+from lib.engine import drafting as dspark
+from lib.records.batch import make_batch
+from lib.engine.emit import emit, finish, row_logprobs
+from lib.engine import cache_sizing as engine_cache
+from lib.runtime.paged_step import paged_step
+from lib.engine.requests import Request, RequestOutput
+from lib.runtime.loaded_model import Model
+from lib.engine.sampling import SamplingParams, make_generator, sample, target_probs, verify
+from lib.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from lib.engine.stops import StopChecker
+from spec.schedule import drafter_kind
+
+
+class EngineConfig(NamedTuple):
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None        # default: the model's max_position_embeddings
+    num_blocks: int | None = None           # tokens-group physical blocks (default: max_num_seqs full contexts)
+    speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), tokenizer=None):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        cfg = model.cfg
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.speculative = self._speculative_mode(config.speculative)
+        self.gamma = dspark.block_size(model) if self.speculative else 0
+        blocks = config.num_blocks or engine_cache.blocks_for(model, config.max_num_seqs,
+                                                              self.max_model_len + self.gamma + 1)
+        self.store = engine_cache.make_store(model, blocks, config.max_num_seqs, rings=self.speculative)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, self.gamma), self.store)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.drafted = [0] * self.gamma             # engine-wide per-position counters (metrics)
+        self.accepted = [0] * self.gamma
+
+    def _speculative_mode(self, mode: str) -> bool:
+        if mode not in ("auto", "dspark", "none"):
+            raise ValueError(f"speculative mode '{mode}' is not one of auto, dspark, none")
+        if mode == "none" or (mode == "auto" and drafter_kind(self.model.cfg) != "dspark"):
+            return False
+        dspark.check_drafter(self.model)
+        return True
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        cfg = self.model.cfg
+        params.validate(cfg.vocab_size)
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (vocab_size {cfg.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(prompt) + params.max_tokens} exceeds the maximum context length "
+                             f"{self.max_model_len}")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id '{rid}' is already in use")
+        eos = () if self.tokenizer is None else (self.tokenizer.eos_id,)
+        stops = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos)
+        detok = None
+        if self.tokenizer is not None:
+            from lib.text.tokenizer import DetokenizeStream
+            keep = self.tokenizer.markup_ids if params.keep_markup else frozenset()
+            detok = DetokenizeStream(self.tokenizer, skip_special_tokens=True, keep_ids=keep)
+        req = Request(rid, list(prompt), params, make_generator(params.seed, len(self.requests)),
+                      next(self._ids), stops, detok, drafted=[0] * self.gamma, accepted=[0] * self.gamma)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its cache blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.finish_reason = "abort"
+            self.scheduler.remove(req)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request: a long-running server would otherwise keep every one."""
+        req = self.requests.get(request_id)
+        if req is not None and req.finished:
+            del self.requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan, refused = self.scheduler.schedule()
+        outputs = [self._refuse(r) for r in refused]
+        if not plan:
+            return outputs
+        drafts = self._draft([s for s in plan if s.drafts])
+        chunks = []
+        for s in plan:
+            req = s.request
+            fed = req.tokens[req.computed: req.computed + (s.feed - s.drafts)]
+            chunks.append(fed + (drafts[req.id].tokens if s.drafts else []))
+        batch = make_batch(chunks, [s.request.computed for s in plan])
+        result = paged_step(self.model, batch, self.store, [s.request.id for s in plan], commit=False,
+                            with_hidden=self.speculative)
+        logits, hidden = result[0].float(), (result[1] if self.speculative else None)
+        lo = 0
+        for s in plan:
+            outputs.append(self._advance(s, logits[lo: lo + s.feed], None if hidden is None else hidden[lo: lo + s.feed],
+                                         drafts.get(s.request.id)))
+            lo += s.feed
+        return [o for o in outputs if o is not None]
+
+    def _advance(self, s: Scheduled, logits: torch.Tensor, hidden, draft) -> RequestOutput | None:
+        """Sample or verify one request's rows, commit what was accepted, emit tokens."""
+        req = s.request
+        start = req.computed
+        if not req.decoding and req.prompt_logprobs is not None and start < len(req.prompt):
+            _prompt_logprobs(req, logits, start)
+        if s.feed < req.pending:                         # a prefill chunk that does not end the prompt
+            self._commit(req, start + s.feed, hidden, start)
+            return None
+        if s.drafts:
+            verdict = verify(logits, torch.tensor(draft.tokens), draft.probs, req.params, req.generator)
+            tokens = verdict.tokens
+            for k in range(s.drafts):
+                req.drafted[k] += 1
+                self.drafted[k] += 1
+                if k < verdict.accepted:
+                    req.accepted[k] += 1
+                    self.accepted[k] += 1
+            self._commit(req, start + 1 + verdict.accepted, hidden, start)
+        else:
+            row = logits[-1:]
+            tokens = [int(row[0].argmax())] if req.params.greedy else \
+                [int(sample(target_probs(row, req.params), req.generator)[0])]
+            self._commit(req, start + s.feed, hidden, start)
+        out = emit(req, tokens, logits[: len(tokens)] if s.drafts else logits[-1:])
+        if req.finished:
+            self.scheduler.remove(req)
+        return out
+
+    def _commit(self, req: Request, length: int, hidden, start: int) -> None:
+        self.store.set_length(req.id, length)
+        # Ring rows only for positions a ring can still read: [L - W, L) with L only growing, so a
+        # long prompt's earlier rows would be computed (main_proj, every stage's wkv) for nothing.
+        first = max(start, length - self.model.cfg.sliding_window)
+        if hidden is not None and first < length:
+            rows = dspark.context_rows(self.model, hidden[first - start: length - start], torch.arange(first, length))
+            engine_cache.write_draft_rows(self.store, self.model, req.id, first, rows)
+        req.computed = length
+        self.store.release_old(req.id)
+
+    def _draft(self, plan: list[Scheduled]) -> dict[str, "_Draft"]:
+        if not plan:
+            return {}
+        reqs = [s.request for s in plan]
+        rings = [engine_cache.draft_rings(self.store, self.model, r.id) for r in reqs]
+
+        def choose(logits: torch.Tensor, k: int):
+            ids, probs = [], []
+            for i, r in enumerate(reqs):
+                p = target_probs(logits[i: i + 1], r.params)
+                ids.append(int(logits[i].argmax()) if r.params.greedy else int(sample(p, r.generator)[0]))
+                probs.append(p[0])
+            return torch.tensor(ids), torch.stack(probs)
+
+        block = dspark.propose(self.model, [r.output[-1] for r in reqs], [r.computed for r in reqs], rings, choose)
+        return {r.id: _Draft(block.tokens[i, : s.drafts].tolist(), block.probs[i, : s.drafts])
+                for i, (r, s) in enumerate(zip(reqs, plan))}
+
+    def _refuse(self, req: Request) -> RequestOutput:
+        req.error = (f"the KV cache ({engine_cache.total_blocks(self.store)} blocks) cannot hold request {req.id} "
+                     f"({len(req.tokens)} tokens) even alone; raise --num-blocks or lower --max-model-len")
+        return finish(req, "error")
+
+    # ---- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
+        """Run prompts to completion (tests, `dsv4gen run`); returns the finished requests in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.requests[i] for i in ids]
+
+
+class _Draft(NamedTuple):
+    tokens: list[int]
+    probs: torch.Tensor        # [drafts, V]
+
+
+def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int) -> None:
+    """Row j (position start + j) scores prompt token start + j + 1 (B20: gathers, no masks).
+    Positions already scored (before a preemption's recompute) are not scored twice."""
+    first = max(start, len(req.prompt_logprobs) - 1)
+    end = min(start + logits.shape[0], len(req.prompt) - 1)
+    if end <= first:
+        return
+    targets = torch.tensor(req.prompt[first + 1: end + 1])
+    req.prompt_logprobs.extend(row_logprobs(logits[first - start: end - start], targets, req.params.prompt_logprobs))

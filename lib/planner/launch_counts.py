@@ -1,0 +1,194 @@
+"""`dsv4gen plan --ops`: kernel launches and host syncs of one decode step, per layer kind, and of
+one DSpark round (target verify over the block, drafter ring rows, draft block).
+
+Launch count is what bounds a real NPU (one 910C stack spends 85% of a step on ~2,900 launches),
+and it depends on the layer schedule and expert fan-out, not on widths. So this runs the
+DeepSeek-V4-Flash configuration (256 experts, top-6, the 3-stage DSpark drafter) with shrunken
+widths, through the same checkpoint format, loader and generated code as any model, under the
+capability guard, and counts every block's launches in a section of its layer kind. A layer's
+launches depend on its kind only (the generated code is one function per kind), so the default
+checkpoint keeps one backbone layer per kind the real schedule has (5 layers, ~4.5k tensors
+instead of 36k) and the counts are scaled to the real 43-layer schedule;
+`shrunk_flash(full_depth=True)` builds the whole schedule, which tests/planner/test_launches.py (slow)
+checks gives the same counts. `--record` keeps them in data/decode-launches.json for the speed
+planner (lib/planner/speed.py); tests/planner/test_launches.py fails when they go stale.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from lib.records.batch import make_batch
+from lib.guard.capability import CapabilityGuard, rules_from_profile
+from lib.runtime.loaded_model import load_model, step
+from lib.weights.tiny_checkpoint import cache_root, make_tiny
+from spec.profile import load_profile
+from spec.schedule import backbone, drafter_kind
+from spec.tables import SPEC_DIR
+from spec.variants import variant_config
+
+RECORD = SPEC_DIR.parent / "data" / "decode-launches.json"
+
+# flash-0731's schedule and expert counts with every width shrunk (launches do not depend on widths)
+SHRUNK = {
+    "vocab_size": 1024, "hidden_size": 128, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 64,
+    "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 64, "moe_intermediate_size": 32,
+    "dspark_markov_rank": 16, "dspark_noise_token_id": 15, "max_position_embeddings": 4096,
+}
+# one backbone layer of every kind flash-0731 has (SWA/hash, CSA/hash, HCA, CSA), then its 3 drafter stages
+REDUCED_DEPTH = {"num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4, 0, 0, 0],
+                 "dspark_target_layer_ids": [2, 3, 4]}
+PREFILL = 3      # the decode step runs at position 3, where a CSA (ratio 4) window completes
+
+
+class KindRow(NamedTuple):
+    kind: str          # "csa / learned"
+    layers: int
+    launches: int      # per layer
+    syncs: int         # per layer
+
+
+class LaunchReport(NamedTuple):
+    backend: str
+    rows: tuple[KindRow, ...]
+    outside: int       # launches outside the blocks (embedding, hc_head, norm, head)
+    total: int
+    syncs: int
+    # one DSpark round besides the decode step: "verify" (target forward over anchor + block),
+    # "context" (drafter ring rows of committed positions), "draft" (the drafter's block); None
+    # for a checkpoint without a DSpark drafter
+    dspark: dict[str, int] | None = None
+
+
+def shrunk_flash(full_depth: bool = False) -> Path:
+    """The shrunken Flash checkpoint (one layer per kind unless `full_depth`), made once into the
+    cache (the official key set of its layers)."""
+    cfg = variant_config("flash-0731", SHRUNK if full_depth else {**SHRUNK, **REDUCED_DEPTH})
+    tag = hashlib.sha256(repr(sorted(cfg.to_json_dict().items())).encode()).hexdigest()[:12]
+    path = cache_root() / f"flash-shrunk-{tag}"
+    if not (path / "config.json").exists():
+        overrides = {k: v for k, v in cfg.to_json_dict().items() if k not in ("architectures", "model_type")}
+        make_tiny(path, overrides=overrides, overwrite=True, shards=8, progress=True)
+    return path
+
+
+@contextlib.contextmanager
+def _per_block_sections(module, guard: CapabilityGuard):
+    original = module.block
+
+    def block(lp, x, batch, cache, layer, cfg, rope):
+        with guard.section(f"{layer.attention} / {layer.routing}"):
+            return original(lp, x, batch, cache, layer, cfg, rope)
+
+    module.block = block
+    try:
+        yield
+    finally:
+        module.block = original
+
+
+def _greedy(logits, k):
+    return logits.argmax(-1), None
+
+
+def _kind_counts(cfg) -> dict[str, int]:
+    layers: dict[str, int] = {}
+    for layer in backbone(cfg):
+        key = f"{layer.attention} / {layer.routing}"
+        layers[key] = layers.get(key, 0) + 1
+    return layers
+
+
+def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
+    """Counts of one decode step and one DSpark round of the model at `path`; by default the
+    reduced-depth shrunk Flash, scaled to the real flash-0731 schedule."""
+    from lib.engine.drafting import block_size, context_rows, propose
+
+    schedule = variant_config("flash-0731") if path is None else None
+    path = path or shrunk_flash()
+    model = load_model(path, backend, progress=True)
+    schedule = schedule or model.cfg
+    spark = drafter_kind(model.cfg) == "dspark"
+    _, caches, hidden = step(model, make_batch([list(range(20, 20 + PREFILL))]), [model.new_cache()], with_hidden=True)
+    rings = context_rows(model, hidden, torch.arange(PREFILL)) if spark else None
+    guard = CapabilityGuard(rules_from_profile(load_profile(backend)), mode="count")
+    module = importlib.import_module(f"backends.{backend}._generated.model")
+    with guard, _per_block_sections(module, guard):
+        with guard.section("decode"):
+            step(model, make_batch([[7]], [PREFILL], last_only=True), caches)
+        if spark:
+            block = [7] + [model.cfg.dspark_noise_token_id] * block_size(model)   # anchor + drafts, as verified
+            with guard.section("verify"):
+                _, _, hid = step(model, make_batch([block], [PREFILL]), caches, with_hidden=True)
+            with guard.section("context"):
+                context_rows(model, hid[:1], torch.tensor([PREFILL]))
+            with guard.section("draft"):
+                propose(model, [7], [PREFILL], [rings], _greedy)
+    sections = guard.report().sections
+    held, real = _kind_counts(model.cfg), _kind_counts(schedule)
+    if set(held) != set(real):
+        raise ValueError(f"{path} has layer kinds {sorted(held)}, its schedule {sorted(real)}")
+
+    def per_layer(part: str, kind: str, field: str) -> int:
+        value, n = getattr(sections[f"{part}/{kind}"], field), held[kind]
+        if value % n:
+            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value} {field} in {part}: not the same per layer")
+        return value // n
+
+    def part_total(part: str, field: str = "ops") -> int:
+        """A target forward on the real schedule: launches outside blocks + per layer x real layers."""
+        return getattr(sections[part], field) + sum(per_layer(part, k, field) * n for k, n in real.items())
+
+    rows = tuple(KindRow(k, n, per_layer("decode", k, "ops"), per_layer("decode", k, "syncs")) for k, n in real.items())
+    dspark = None
+    if spark:      # the drafter's depth is the real one: its parts are plain sums
+        dspark = {"verify": part_total("verify")}
+        dspark |= {part: sum(c.ops for name, c in sections.items() if name.split("/")[0] == part)
+                   for part in ("context", "draft")}
+    return LaunchReport(backend, rows, sections["decode"].ops, part_total("decode"), part_total("decode", "syncs"), dspark)
+
+
+def format_report(r: LaunchReport) -> str:
+    lines = [f"backend {r.backend}: one decode step of the DeepSeek-V4-Flash schedule (43 layers, 256 experts, "
+             f"top-6; widths shrunk)", f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
+    lines += [f"  {row.kind:<18} {row.layers:>6} {row.launches:>15} {row.syncs:>12}" for row in r.rows]
+    lines += [f"  {'outside blocks':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}"]
+    if r.dspark:
+        lines.append(f"  DSpark round: verify {r.dspark['verify']} + drafter ring rows {r.dspark['context']} + "
+                     f"draft block {r.dspark['draft']} launches")
+    return "\n".join(lines)
+
+
+def as_record(r: LaunchReport) -> dict:
+    return {"decode": r.total, "host_syncs": r.syncs, "outside_blocks": r.outside,
+            "per_layer_kind": {row.kind: {"layers": row.layers, "launches": row.launches} for row in r.rows},
+            "dspark_round": r.dspark}
+
+
+def record(reports: list[LaunchReport], path: Path = RECORD) -> Path:
+    """Merge these backends' counts into the record (atomically: a half-written record never loads)."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    data["doc"] = ("Kernel launches of one decode step and one DSpark round on the DeepSeek-V4-Flash-0731 schedule "
+                   "with shrunk widths (lib/planner/launch_counts.py), per backend. Written by `dsv4gen plan --ops --record`; "
+                   "read by `dsv4gen plan` (lib/planner/speed.py); tests/planner/test_launches.py checks it is fresh.")
+    data.setdefault("backends", {}).update({r.backend: as_record(r) for r in reports})
+    data["backends"] = dict(sorted(data["backends"].items()))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def recorded(backend: str, path: Path = RECORD) -> dict:
+    """The recorded counts of `backend` (`dsv4gen plan --ops --record` writes them)."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"backends": {}}
+    if backend not in data["backends"]:
+        raise ValueError(f"{path}: no recorded launch counts for backend {backend}; run "
+                         f"`dsv4gen plan --ops --backend {backend} --record` (counting takes minutes)")
+    return data["backends"][backend]

@@ -1,0 +1,78 @@
+"""Reference decoding of a logical tensor from its stored parts to fp32 (or int64 for tables).
+
+quant.yaml names one of these per storage format; each takes the parts by role (`data`, or
+`weight` + `scale`) and the config. Backends with other runtime formats convert from the same
+parts in their generated loaders; this is the meaning those conversions are tested against.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from lib.quant import bit_codecs as codecs
+from spec.config import ModelConfig
+
+
+def decode_plain(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    return parts["data"].float()
+
+
+def decode_index(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    return parts["data"].long()
+
+
+def decode_fp8_block(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    block = tuple(cfg.quantization_config.weight_block_size)
+    return codecs.dequant_fp8_block(parts["weight"], parts["scale"], block=block)
+
+
+def decode_mxfp4(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    return codecs.dequant_fp4_expert(parts["weight"], parts["scale"], group=32)
+
+
+def resolve(ref: str):
+    """'package.module:function' -> the function (spec files name implementations this way).
+
+    Not cached: the attribute is looked up on every call, so a patched function (fault injection,
+    tests) is seen exactly like a call through the module would see it."""
+    module, _, name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"spec names implementation '{ref}', which does not exist: {err}") from None
+
+
+def decode(format_name: str, parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    from spec.tables import load_quant
+    return resolve(load_quant().formats[format_name].decode)(parts, cfg)
+
+
+# Encoders: fp32 logical tensor -> stored parts. Used to write official-format checkpoints
+# (make-tiny); each is the inverse of the decoder above on the values it produces.
+
+def encode_bf16(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return {"data": x.to(torch.bfloat16)}
+
+
+def encode_f32(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return {"data": x.to(torch.float32)}
+
+
+def encode_i64(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return {"data": x.to(torch.int64)}
+
+
+def encode_fp8_block(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    weight, scale = codecs.quant_fp8_block(x.float(), block=tuple(cfg.quantization_config.weight_block_size))
+    return {"weight": weight, "scale": scale}
+
+
+def encode_mxfp4(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    weight, scale = codecs.quant_fp4_expert(x.float(), group=32)
+    return {"weight": weight, "scale": scale}
+
+
+def encode(format_name: str, x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from spec.tables import load_quant
+    return resolve(load_quant().formats[format_name].encode)(x, cfg)

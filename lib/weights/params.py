@@ -1,0 +1,136 @@
+"""The runtime parameter tree, built from a checkpoint by a backend's generated loader.
+
+`Params` holds runtime tensors under their official keys: model-level ones in `model`, each
+block's in `layers` (backbone, schedule order) or `drafter` (stages) relative to its prefix.
+Routed experts are stacked per block into `[E, rows, cols]` under the key without `{expert}.`.
+Under TP a rank reads only its slice of each split tensor, scales included (lib/weights/tp_slices.py, B05);
+under EP only its own routed experts ([E/ep_size, ...], local order). Every logical tensor this
+rank holds is read exactly once, and the ledger proves it (B06, B16).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from lib.weights import tp_slices as shard
+from lib.weights.checkpoint import Checkpoint, LoadLedger
+from lib.quant.reference_formats import resolve
+from lib.records.expert_placement import expert_placement
+from spec.schedule import schedule
+from spec.tables import Logical, load_tensor_table
+
+
+class Params(NamedTuple):
+    model: dict[str, torch.Tensor]
+    layers: tuple[dict[str, torch.Tensor], ...]
+    drafter: tuple[dict[str, torch.Tensor], ...]
+
+
+class LoadOptions(NamedTuple):
+    """Load-time choices that change runtime formats or placement, never the model's meaning."""
+    expert_mode: str | None = None     # backend expert mode (ascend310p: resident | streaming | preconverted)
+    ep_size: int = 1                   # expert-parallel group size
+    ep_rank: int = 0                   # this process's EP rank
+    ep_simulate: bool = False          # run every EP rank's share in this process (conformance)
+    tp_size: int = 1                   # tensor-parallel group size: tensors with a `tp` rule are sliced
+    tp_rank: int = 0                   # this process's TP rank (its slice of every TP-split tensor)
+    ep_group: object = None            # torch.distributed group of the EP ranks (None: no EP communication)
+    ep_dispatch: str = "allgather"     # EP token exchange: "allgather" (310P) or "alltoall"
+    preconverted: str | None = None    # folder written by `dsv4gen convert` (expert mode preconverted)
+    backend: str | None = None         # set by the runtime: whose preconverted experts to read
+
+
+def stack(values: list):
+    """Stack per-expert runtime values: tensors, or records (NamedTuples) of tensors field by field."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)
+    return type(first)(*(torch.stack(parts) for parts in zip(*values)))
+
+
+def runtime_key(logical: Logical) -> str:
+    """Key inside its scope's dict: official key relative to the block, experts un-numbered."""
+    return logical.entry.key.replace("{expert}.", "")
+
+
+def reads_preconverted(logical: Logical) -> bool:
+    """Whether a tensor comes from the preconverted shards: the target's routed experts only.
+    Drafter experts are decoded from their own stored format whatever the target's mode (B17)."""
+    return logical.entry.tensor_class == "routed_expert" and logical.layer.role == "backbone"
+
+
+def own_experts(cfg, options: LoadOptions) -> range:
+    """Global ids of the routed experts this process loads: every expert, or under EP (not simulated)
+    its rank's contiguous share, the range lib.records.expert_placement gives it. Drafter stages use the same
+    placement as the backbone (placement_for_block builds it for every block), so their experts
+    are split alike."""
+    if options.ep_simulate or options.ep_size == 1:
+        return range(cfg.n_routed_experts)
+    share = expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank).experts_of(options.ep_rank)
+    return range(share.start, share.stop)
+
+
+def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False,
+                options: LoadOptions = LoadOptions()) -> Params:
+    """Convert every logical tensor with the converter the backend's table names for it, then
+    build the derived runtime parameters (tensors.yaml `derived`)."""
+    # refuse a TP or EP size the config cannot be split by before reading anything
+    shard.check_tp(ckpt.config, ckpt.logical, options.tp_size, options.tp_rank)
+    own = own_experts(ckpt.config, options)
+    ledger = LoadLedger(ckpt.logical)
+    model: dict[str, torch.Tensor] = {}
+    blocks: dict[str, dict[str, object]] = {}
+    expert_parts: dict[tuple[str, str], list[torch.Tensor]] = {}
+    other_ranks: set[str] = set()        # routed experts another EP rank loads: never read here
+    store = _preconverted(ckpt, options)
+    n_local = ckpt.config.n_routed_experts // options.ep_size
+    items = tqdm(ckpt.logical, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for t in items:
+        if t.expert is not None and t.expert not in own:
+            other_ranks.add(t.key)
+            continue
+        if store is not None and reads_preconverted(t):
+            ledger.mark(t)                  # read once, from the converted shards instead
+            value = store.read(t.key, t.expert, n_local)
+        else:
+            # module attribute lookup, not an imported name: fault injection B05 patches it
+            index = shard.part_index(t, ckpt.config, options.tp_size, options.tp_rank)
+            value = resolve(converter_for(t))(t.format, ckpt.read_parts(t, ledger, index), ckpt.config)
+        if t.layer is None:
+            model[runtime_key(t)] = value
+        elif t.expert is not None:
+            expert_parts.setdefault((t.layer.prefix, runtime_key(t)), []).append(value)
+        else:
+            blocks.setdefault(t.layer.prefix, {})[runtime_key(t)] = value
+    for (prefix, key), values in expert_parts.items():
+        blocks.setdefault(prefix, {})[key] = stack(values)   # [E or E/ep_size, rows, cols], expert order
+    ledger.check(other_ranks=other_ranks)
+    _add_derived(blocks, model, ckpt.config, options)
+    n = ckpt.config.num_hidden_layers
+    stages = len(ckpt.config.compress_ratios) - n
+    layers = tuple(blocks.get(f"layers.{i}", {}) for i in range(n))
+    drafter = tuple(blocks.get(f"mtp.{s}", {}) for s in range(stages))
+    return Params(model, layers, drafter)
+
+
+def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:
+    table = load_tensor_table()
+    for d in table.derived:
+        build = resolve(d.build)
+        if d.scope == "model":
+            model[d.key] = build(cfg, None, options)
+            continue
+        for layer in schedule(cfg):
+            if d.when.matches(layer):
+                blocks.setdefault(layer.prefix, {})[d.key] = build(cfg, layer, options)
+
+
+def _preconverted(ckpt: Checkpoint, options: LoadOptions):
+    if options.expert_mode != "preconverted":
+        return None
+    from lib.weights.expert_conversion import PreconvertedExperts, default_dir
+
+    root = options.preconverted or default_dir(ckpt.root, options.backend, options.tp_size, options.ep_size)
+    return PreconvertedExperts(root, options.backend, ckpt, ep=options.ep_size, tp=options.tp_size)

@@ -1,0 +1,126 @@
+"""`dsv4gen make-tiny`: small random DeepSeek-V4 checkpoints in exactly the official format.
+
+Weights are drawn per logical tensor of the spec's tensor table (same order, one seeded
+generator), then encoded by the tensor's storage format (FP8 + E8M0 block scales, packed MXFP4,
+BF16/F32/I64), so the loader, codecs and every backend see what a real checkpoint holds. The
+embedded tiny checkpoint is this with the `tiny` preset, cached on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lib.quant import reference_formats as formats
+from lib.weights.checkpoint_writer import write_checkpoint
+from spec.config import ModelConfig
+from spec.tables import SPEC_DIR, Logical, expand
+from spec.variants import variant_config
+
+TINY_VARIANT = "tiny"
+TINY_SEED = 0
+# Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
+MAKER_VERSION = 4
+
+
+def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+    """A fp32 value for one logical tensor, scaled so activations stay O(1) through the layers."""
+    shape, key, cls = t.shape, t.key, t.entry.tensor_class
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std + mean
+
+    fan_in = shape[-1]
+    if cls == "hash_table":
+        # each token routes to num_experts_per_tok distinct experts
+        rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows).float()
+    if cls == "norm":
+        return normal(0.1, 1.0)
+    if cls == "embedding":
+        return normal(1.0)
+    if cls == "head":
+        # Heavy-tailed row norms (log-normal) make a few tokens stand out, so next-token margins
+        # are large relative to quantisation error and teacher-forced top-1 checks are decisive.
+        norms = torch.exp(0.75 * torch.randn(shape[0], 1, generator=gen))
+        return normal(0.5 / fan_in ** 0.5) * norms
+    if cls == "hc":
+        if key.endswith("_scale"):
+            return normal(0.1, 1.0)
+        if key.endswith("_base"):
+            return normal(0.5)
+        return normal(1.0 / fan_in ** 0.5)
+    if cls == "attn_sink":
+        return normal(1.0)
+    if cls == "router" and key.endswith(".bias"):
+        return normal(0.5)          # a selection bias spread wide enough that top-k ties are rare
+    if cls == "compressor" and key.endswith(".ape"):
+        return normal(0.5)
+    if cls == "routed_expert" and key.endswith(".w2.weight"):
+        # routed experts add to, rather than dominate, the residual stream (as in trained models),
+        # so one layer's quantisation noise perturbs the logits instead of replacing them
+        return normal(0.5 / fan_in ** 0.5)
+    return normal(1.0 / fan_in ** 0.5)
+
+
+def tiny_tensors(cfg: ModelConfig, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a checkpoint with this config, keyed by official name."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for t in tqdm(expand(cfg), desc="making weights", unit="tensor", disable=not progress, leave=False):
+        stored = formats.encode(t.format, _init(t, cfg, gen), cfg)
+        for part in t.parts:
+            out[part.key] = stored[part.role]
+    return out
+
+
+def side_files(cfg: ModelConfig) -> dict[str, str]:
+    from lib.text.tokenizer import build_tiny_tokenizer, tokenizer_files
+
+    tok = build_tiny_tokenizer(cfg.vocab_size)
+    files = {"config.json": json.dumps(cfg.to_json_dict(), indent=2) + "\n",
+             "generation_config.json": json.dumps({"bos_token_id": cfg.bos_token_id,
+                                                   "eos_token_id": cfg.eos_token_id, "do_sample": True,
+                                                   "temperature": 1.0, "top_p": 1.0}, indent=2) + "\n"}
+    files.update(tokenizer_files(tok, model_max_length=cfg.max_position_embeddings))
+    return files
+
+
+def make_tiny(out: Path | str, seed: int = TINY_SEED, overrides: dict | None = None, shards: int = 4,
+              overwrite: bool = False, progress: bool = False) -> Path:
+    cfg = variant_config(TINY_VARIANT, overrides)
+    out = Path(out)
+    # refuse cheap-to-detect problems before spending time on the weights
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
+    files = side_files(cfg)                       # builds the tokenizer: rejects a too-small vocab_size
+    return write_checkpoint(out, tiny_tensors(cfg, seed, progress), files, shards=shards, overwrite=overwrite)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSV4GEN_CACHE", Path.home() / ".cache" / "dsv4gen"))
+
+
+def maker_hash(key: str) -> str:
+    """A short hash of `key` and of everything a made checkpoint's bytes depend on (spec files,
+    maker version), so a spec change names a new cached checkpoint instead of reusing a stale one."""
+    h = hashlib.sha256(f"{MAKER_VERSION}:{key}".encode())
+    lib_dir = Path(__file__).resolve().parents[1]
+    sources = [SPEC_DIR / "quant.yaml", SPEC_DIR / "tensors.yaml", SPEC_DIR / "models" / "deepseek-v4-flash.yaml",
+               lib_dir / "weights" / "tiny_checkpoint.py", lib_dir / "text" / "tokenizer.py",
+               lib_dir / "quant" / "bit_codecs.py", lib_dir / "quant" / "reference_formats.py"]
+    for source in sources:
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def embedded_tiny() -> Path:
+    """The embedded tiny checkpoint: made deterministically on first use, then reused."""
+    path = cache_root() / f"tiny-{maker_hash(str(TINY_SEED))}"
+    if not (path / "config.json").exists():
+        make_tiny(path, overwrite=True)
+    return path

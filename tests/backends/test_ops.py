@@ -1,0 +1,97 @@
+"""Reference ops: each graph op's implementation matches its schema, and the semantics that field
+ports got wrong are pinned on hand-checkable inputs (DSV4-REFERENCE §3)."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from backends.cpu.ops import attention, basic, hc, moe, rope as rope_ops
+from lib.records.batch import make_batch
+from lib.quant.reference_formats import resolve
+from spec.graph import load_graph
+
+OPS = load_graph().graph.ops
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_reference_signature_matches_the_op_schema(name):
+    """Ports are the positional parameters in order; attrs are the remaining parameters."""
+    op = OPS[name]
+    params = list(inspect.signature(resolve(op.reference)).parameters)
+    assert params[: len(op.inputs)] == list(op.inputs)
+    assert sorted(params[len(op.inputs):]) == sorted(op.attrs)
+
+
+def test_rope_rotates_interleaved_pairs_of_the_trailing_slice_and_inverts():
+    x = torch.arange(12.0).reshape(1, 12)
+    inv_freq = torch.tensor([1.0, 0.5])
+    y = rope_ops.rope(x, torch.tensor([1]), inv_freq, rope_dim=4)
+    assert torch.equal(y[0, :8], x[0, :8])                  # "nope" part untouched
+    a, b = x[0, 8].item(), x[0, 9].item()                  # pair (8, 9) rotates by 1 * 1.0
+    assert y[0, 8].item() == pytest.approx(a * math.cos(1) - b * math.sin(1), abs=1e-6)
+    assert y[0, 9].item() == pytest.approx(a * math.sin(1) + b * math.cos(1), abs=1e-6)
+    back = rope_ops.rope(y, torch.tensor([1]), inv_freq, rope_dim=4, inverse=True)
+    assert torch.allclose(back, x, atol=1e-5)
+
+
+def test_sinkhorn_is_doubly_stochastic_and_hc_post_contracts_the_first_index():
+    c = hc.sinkhorn(torch.randn(3, 4, 4, dtype=torch.float64), iters=20, eps=1e-6)
+    assert torch.allclose(c.sum(-2), torch.ones(3, 4, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(c.sum(-1), torch.ones(3, 4, dtype=torch.float64), atol=1e-3)
+    comb = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]])        # only comb[0, 1] = 1
+    x = torch.tensor([[[1.0, 1.0], [5.0, 5.0]]])            # streams 0 and 1
+    out = hc.hc_post(torch.zeros(1, 2), x, torch.zeros(1, 2), comb)
+    # out-stream k receives sum_j comb[j, k] X_j: stream 1 gets X_0, stream 0 gets nothing
+    assert torch.equal(out, torch.tensor([[[0.0, 0.0], [1.0, 1.0]]]))
+
+
+def test_sink_only_enlarges_the_denominator():
+    logits = torch.zeros(1, 1, 3, dtype=torch.float64)
+    p = attention._softmax_with_sink(logits, torch.tensor([math.log(3.0)], dtype=torch.float64))
+    assert torch.allclose(p, torch.full((1, 1, 3), 1 / 6, dtype=torch.float64))
+
+
+def test_window_and_compressed_visibility():
+    """Query t sees raw positions t-W+1..t and HCA entries w < (t+1)/m (§3.9)."""
+    d, window, ratio = 4, 2, 2
+    kv = torch.eye(d)[:4]                                    # position p's key is basis vector p
+    entries = [torch.full((2, d), 0.0)]
+    q = torch.zeros(4, 1, d)                                 # uniform attention over what is visible
+    out, new = attention.sparse_attention(q, kv, make_batch([[0, 0, 0, 0]]), [torch.zeros(0, d)], entries,
+                                          None, torch.tensor([-1e9]), window=window, ratio=ratio)
+    # t=3: window {2, 3} + entries w < 2 -> 4 keys, weight 1/4 each
+    assert torch.allclose(out[3, 0], torch.tensor([0.0, 0.0, 0.25, 0.25]))
+    # t=0: window {0}, no complete entry yet
+    assert torch.allclose(out[0, 0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(new[0], kv[-window:])
+
+
+def test_routing_weights_renormalise_and_bias_only_steers_selection():
+    gate = torch.eye(4)
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])                # forces expert 3 into the top-2
+    weights, ids = moe.route_learned(x, gate, bias, topk=2, route_scale=1.5)
+    assert sorted(ids[0].tolist()) == [0, 3]
+    s = torch.sqrt(torch.nn.functional.softplus(x[0].double()))
+    want = 1.5 * s[ids[0]] / s[ids[0]].sum()
+    assert torch.allclose(weights[0].double(), want, atol=1e-7)
+    assert weights.sum().item() == pytest.approx(1.5)
+    hw, hids = moe.route_hash(x, gate, torch.tensor([[2, 1]]), torch.tensor([0]), route_scale=1.5)
+    assert hids.tolist() == [[2, 1]]                          # B07: the table decides, not the gate
+
+
+def test_swiglu_is_clipped():
+    """B08: gate clipped above at L, up clipped to [-L, L]."""
+    out = moe.clipped_swiglu(torch.tensor([100.0]), torch.tensor([-100.0]), limit=10.0)
+    assert out.item() == pytest.approx(torch.nn.functional.silu(torch.tensor(10.0)).item() * -10.0)
+
+
+def test_grouped_linear_uses_each_group_block():
+    x = torch.arange(8.0).reshape(1, 4, 2)                   # 4 heads of dim 2, 2 groups
+    w = torch.zeros(2, 4)
+    w[0, 0] = 1.0                                            # group 0, row 0 reads head 0 dim 0
+    w[1, 3] = 1.0                                            # group 1, row 0 reads head 3 dim 1
+    assert basic.grouped_linear(x, w, groups=2).tolist() == [[0.0, 7.0]]

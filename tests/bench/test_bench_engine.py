@@ -1,0 +1,47 @@
+"""The engine benchmark runs end to end with tiny settings and writes the JSON it promises.
+
+No timing assertions: this checks the benchmark's plumbing (three modes, oracle drafter, lossless
+check, JSON keys), not the engine's speed."""
+import json
+from pathlib import Path
+
+import torch
+
+from lib.bench import speculation as bench
+
+
+def test_engine_benchmark_tiny(tmp_path, capsys):
+    # one thread: two on a loaded 2-core machine can be ~10x slower (the benchmark restores the count)
+    threads = torch.get_num_threads()
+    rc = bench.main(["--backend", "cpu", "--tokens", "4", "--batches", "1,2", "--threads", "1",
+                     "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert torch.get_num_threads() == threads
+    assert rc == 0, printed
+    first = printed.splitlines()[0]
+    assert first.startswith("$ ") and first.endswith("python -m lib.bench.speculation --backend cpu --tokens 4 "
+                                                     f"--batches 1,2 --threads 1 --out {tmp_path} --no-progress")
+    assert "dspark (oracle drafter)" in printed and "lossless: yes" in printed
+
+    result = json.loads((tmp_path / "engine-bench.json").read_text())
+    for key in ("command", "backend", "torch", "threads", "max_tokens", "batches", "gamma", "model_load_s",
+                "runs", "speedup", "lossless", "total_wall_s"):
+        assert key in result, key
+    assert result["backend"] == "cpu" and result["batches"] == [1, 2] and result["lossless"] is True
+    assert result["threads"] == 1 and result["gamma"] >= 1
+
+    runs = {(r["mode"], r["batch"]): r for r in result["runs"]}
+    assert set(runs) == {(m, b) for m in ("plain", "dspark", "oracle") for b in (1, 2)}
+    for r in runs.values():
+        assert r["lossless"] is True
+        assert r["generated_tokens"] == 4 * r["batch"]
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0 and r["ttft_mean_s"] > 0
+        assert len(r["ttft_s"]) == r["batch"]
+    for b in (1, 2):
+        assert runs["plain", b]["tokens_per_target_forward"] == 1.0
+        # the oracle's drafts are the target's own continuation: every verified draft is accepted
+        oracle = runs["oracle", b]
+        assert oracle["accepted"] == oracle["drafted"] and oracle["dspark_steps"] > 0
+        assert oracle["engine_steps"] < runs["plain", b]["engine_steps"]
+        for mode in ("dspark", "oracle"):
+            assert result["speedup"][mode][str(b)] > 0

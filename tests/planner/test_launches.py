@@ -1,0 +1,57 @@
+"""`dsv4gen plan --ops`: launches and host syncs of one decode step on the real Flash schedule.
+
+Launch counts bound a real NPU; decode must never wait on the host. Runs every backend on the
+shrunken-width Flash-0731 checkpoint (one layer per kind, 256 experts, top-6, scaled to the real
+43-layer schedule) through the real loader, and checks the counts the speed planner reads
+(data/decode-launches.json) are the ones measured here; `-m slow` also checks the scaling against
+the full 43-layer checkpoint.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lib.cli.main import main
+from lib.planner.launch_counts import as_record, decode_launches, recorded, shrunk_flash
+from spec.profile import backend_names
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    """The default (reduced-depth) shrunk Flash, made in a cache of this module's own: the tests
+    count it the way `dsv4gen plan --ops` does, scaled to the real schedule."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DSV4GEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield shrunk_flash()
+    mp.undo()
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_decode_step_has_no_host_sync(flash, backend):
+    report = decode_launches(backend)
+    kinds = {row.kind: row for row in report.rows}
+    assert {k: r.layers for k, r in kinds.items()} == {"swa / hash": 2, "csa / hash": 1, "hca / learned": 20,
+                                                       "csa / learned": 20}
+    assert report.syncs == 0 and all(r.syncs == 0 for r in report.rows)
+    assert report.total == report.outside + sum(r.launches * r.layers for r in report.rows)
+    assert kinds["csa / learned"].launches > kinds["hca / learned"].launches     # the indexer costs launches
+    assert report.dspark["verify"] > report.dspark["draft"] > report.dspark["context"] > 0
+    assert as_record(report) == recorded(backend), (
+        f"data/decode-launches.json is stale for {backend}; run: dsv4gen plan --ops --backend {backend} --record")
+
+
+def test_plan_ops_cli(flash, capsys):
+    assert main(["plan", "--backend", "ascend310p", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert "csa / learned          20" in out and "host syncs 0" in out
+    assert main(["plan", "--backend", "all"]) == 2
+    assert "dsv4gen plan needs one --backend" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_reduced_depth_counts_equal_the_full_schedule(tmp_path_factory):
+    """One layer per kind, scaled, counts what all 43 layers launch (the premise of the default)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DSV4GEN_CACHE", str(tmp_path_factory.mktemp("full")))
+    full = shrunk_flash(full_depth=True)
+    mp.undo()
+    assert as_record(decode_launches("cpu", full)) == recorded("cpu")

@@ -1,0 +1,71 @@
+"""Backend profiles: every lesson that concerns a backend is in its profile, every lowering names
+an implementation with the op's port signature, and every device op exists with its schema."""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import yaml
+
+from lib.quant.reference_formats import resolve
+from lib.guard.capability import CapabilityGuard, GuardViolation, rules_from_profile
+from lib.porting.op_schemas import check_signature, load_schemas
+from spec.graph import load_graph
+from spec.profile import backend_names, load_profile
+from spec.tables import SPEC_DIR
+
+LESSONS = yaml.safe_load((SPEC_DIR.parent / "data" / "porting-lessons.yaml").read_text())["lessons"]
+DEVICES = [b for b in backend_names() if b != "cpu"]
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_every_lesson_of_the_backend_is_in_its_profile(backend):
+    wanted = {lid for lid, lesson in LESSONS.items() if backend in lesson["backends"]}
+    have = set(load_profile(backend).lessons)
+    assert wanted and wanted <= have, f"{backend} profile misses {sorted(wanted - have)}"
+    assert have <= set(LESSONS)
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_every_lowering_has_the_op_port_signature(backend):
+    profile, ops = load_profile(backend), load_graph().graph.ops
+    for name, op in ops.items():
+        entry = profile.ops.get(name)
+        lowerings = list(entry.by_format.values()) if entry is not None and entry.by_format else [profile.lowering(name)]
+        for low in lowerings:
+            fn = resolve(op.reference if low.impl == "reference" else low.call)
+            params = list(inspect.signature(fn).parameters)
+            assert params[: len(op.inputs)] == list(op.inputs), f"{backend} {name}: {low.call}"
+            assert set(op.attrs) <= set(params[len(op.inputs):]), f"{backend} {name}: {low.call}"
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_device_ops_exist_with_their_recorded_schema(backend):
+    profile = load_profile(backend)
+    device = importlib.import_module(f"backends.{backend}.device_ops")
+    schemas = load_schemas()
+    assert set(profile.device_ops) == set(device.DEVICE_OPS)
+    for name in profile.device_ops:
+        if name.startswith("npu_"):
+            assert check_signature(getattr(device, name), schemas[name]) == []
+    for low in (l for e in profile.ops.values() for l in (e.by_format.values() if e.by_format else [e.single()])):
+        assert set(low.device_ops) <= set(profile.device_ops)
+
+
+def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path, monkeypatch):
+    """The 310P generated code runs clean under its guard; a composite that slips into bf16 is named."""
+    from backends.common import dense
+    from lib.records.batch import make_batch
+    from lib.runtime.loaded_model import load_model, step
+    from lib.weights.tiny_checkpoint import make_tiny
+
+    model = load_model(make_tiny(tmp_path / "ckpt"), "ascend310p")
+    rules = rules_from_profile(load_profile("ascend310p"))
+    with CapabilityGuard(rules):
+        step(model, make_batch([[20, 21, 22]]), [model.new_cache()])
+    monkeypatch.setattr(dense, "add", lambda a, b: (a.to(torch.bfloat16) + b.to(torch.bfloat16)).to(a.dtype))
+    with pytest.raises(GuardViolation, match=r"bfloat16.*test_profiles.py:\d+"):
+        with CapabilityGuard(rules):
+            step(model, make_batch([[20, 21, 22]]), [model.new_cache()])

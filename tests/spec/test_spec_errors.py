@@ -1,0 +1,425 @@
+"""Pinned error messages for malformed spec files (STYLE.md: every message names the file, the line
+and the accepted alternatives). Each test copies a real spec file into tmp_path with one targeted
+edit, so the edit documents the mistake, and asserts the whole message. Line numbers are taken
+from the edited text (the line the edit is on) so unrelated spec edits do not break these tests;
+long accepted lists (ops, classes, config keys) come from the real spec for the same reason."""
+from pathlib import Path
+
+import pytest
+
+from codegen.lower import lower
+from spec import variants
+from spec.config import CONFIG_KEYS, RANK_KEYS
+from spec.graph import load_graph
+from spec.profile import load_runtime_formats, load_profile
+from spec.tables import load_quant, load_tensor_table
+from spec.yamlio import SpecError
+
+ROOT = Path(__file__).resolve().parents[2]
+TENSORS = ROOT / "spec" / "tensors.yaml"
+QUANT = ROOT / "spec" / "quant.yaml"
+GRAPH = ROOT / "spec" / "graph.yaml"
+MODEL = ROOT / "spec" / "models" / "deepseek-v4-flash.yaml"
+PROFILE = ROOT / "backends" / "cpu" / "profile.yaml"
+
+
+def edit(src: Path, dest: Path, old: str, new: str) -> Path:
+    """Copy `src` to `dest` with the one occurrence of `old` replaced by `new`."""
+    text = src.read_text(encoding="utf-8")
+    assert text.count(old) == 1, f"{old!r} must occur exactly once in {src.name}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(text.replace(old, new), encoding="utf-8")
+    return dest
+
+
+def line(path: Path, snippet: str) -> int:
+    """1-based line of the (unique) `snippet` in `path`."""
+    text = path.read_text(encoding="utf-8")
+    assert text.count(snippet) == 1, f"{snippet!r} must occur exactly once in {path}"
+    return text[: text.index(snippet)].count("\n") + 1
+
+
+def error_of(fn, *args) -> str:
+    with pytest.raises(SpecError) as info:
+        fn(*args)
+    return str(info.value)
+
+
+def real_classes() -> str:
+    return ", ".join(load_tensor_table().classes)
+
+
+def real_ops() -> str:
+    return ", ".join(sorted(load_graph().graph.ops))
+
+
+# ---------------------------------------------------------------- tensors.yaml
+
+def tensors(tmp_path, old, new):
+    return edit(TENSORS, tmp_path / "tensors.yaml", old, new)
+
+
+def test_tensors_unknown_key(tmp_path):
+    p = tensors(tmp_path, "{key: norm.weight, scope: model, shape:", "{key: norm.weight, scope: model, shpe:")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'shpe:')}: unknown key 'shpe' (accepted: key, scope, shape, format, tp, class, when) "
+        "at 'entries.2.shpe'")
+
+
+def test_tensors_missing_required_key(tmp_path):
+    p = tensors(tmp_path, "{key: hc_head_base, scope: model, ", "{key: hc_head_base, ")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, '{key: hc_head_base, shape')}: missing required key 'scope' at 'entries.4'")
+
+
+def test_tensors_bad_tp(tmp_path):
+    p = tensors(tmp_path, "tp: rows, class: head}", "tp: row, class: head}")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'tp: row,')}: invalid enum value 'row' (accepted: replicate, rows, cols, experts) "
+        "at 'entries.1.tp'")
+
+
+def test_tensors_unknown_format(tmp_path):
+    p = tensors(tmp_path, "format: bf16, tp: rows, class: head}", "format: bf61, tp: rows, class: head}")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'bf61')}: unknown format 'bf61' for head.weight "
+        "(accepted: bf16, f32, fp8_block, i64, mxfp4, routed_expert)")
+
+
+def test_tensors_unknown_class(tmp_path):
+    p = tensors(tmp_path, "tp: rows, class: head}", "tp: rows, class: heads}")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'class: heads')}: unknown class 'heads' for head.weight (accepted: {real_classes()})")
+
+
+def test_tensors_shape_unknown_name(tmp_path):
+    p = tensors(tmp_path, "shape: [q_lora_rank, hidden_size]", "shape: [q_lora_rank, hiden_size]")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'hiden_size')}: shape of attn.wq_a.weight uses unknown name 'hiden_size' "
+        "(accepted: config keys, compress_ratio, n_dspark_targets)")
+
+
+def test_tensors_shape_unparsable(tmp_path):
+    p = tensors(tmp_path, "shape: [q_lora_rank, hidden_size]", "shape: [q_lora_rank, hidden_size*]")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'hidden_size*')}: shape of attn.wq_a.weight: cannot parse shape expression 'hidden_size*'")
+
+
+def test_tensors_shape_attribute_access(tmp_path):
+    p = tensors(tmp_path, "shape: [q_lora_rank, hidden_size]", "shape: [q_lora_rank, cfg.hidden_size]")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'cfg.hidden_size')}: shape of attn.wq_a.weight: shape expression 'cfg.hidden_size' "
+        "uses unsupported syntax (Attribute)")
+
+
+def test_tensors_yaml_anchor(tmp_path):
+    p = tensors(tmp_path, '  embedding: "token', '  embedding: &table "token')
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, '&table')}: YAML anchor '&table' is not allowed in spec files")
+
+
+def test_tensors_yaml_alias(tmp_path):
+    old = '  head: "output projection to the vocabulary, shared with the drafter (B16); never quantised (B06)"'
+    p = tensors(tmp_path, old, "  head: *table")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, '*table')}: YAML alias '*table' is not allowed in spec files")
+
+
+def test_tensors_yaml_merge_key(tmp_path):
+    p = tensors(tmp_path, "  - {key: norm.weight, scope: model, shape: [hidden_size], format: bf16,",
+                "  - {<<: {scope: model, format: bf16}, key: norm.weight, shape: [hidden_size],")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, '<<:')}: YAML merge key '<<' is not allowed")
+
+
+def test_tensors_duplicate_key(tmp_path):
+    p = tensors(tmp_path, "tp: rows, class: head}", "tp: rows, class: head, tp: replicate}")
+    assert error_of(load_tensor_table, p) == f"{p}:{line(p, 'tp: replicate}')}: duplicate key 'tp'"
+
+
+def test_tensors_invalid_yaml(tmp_path):
+    p = tensors(tmp_path, "{key: head.weight, scope: model,", "{key: head.weight scope: model,")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'head.weight scope')}: invalid YAML: expected ',' or '}}', but got ':'")
+
+
+def test_tensors_empty_file(tmp_path):
+    p = tmp_path / "tensors.yaml"
+    p.write_text("# nothing yet\n", encoding="utf-8")
+    assert error_of(load_tensor_table, p) == f"{p}:1: the file holds no YAML document"
+
+
+def test_tensors_when_attention_mla(tmp_path):
+    p = tensors(tmp_path, "when: {attention: [hca]}, shape: [compress_ratio, head_dim]",
+                "when: {attention: [mla]}, shape: [compress_ratio, head_dim]")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, '[mla]')}: invalid enum value 'mla' (accepted: swa, csa, hca, dspark) "
+        "at 'entries.22.when.attention.0'")
+
+
+def test_tensors_when_unknown_key(tmp_path):
+    p = tensors(tmp_path, "when: {attention: [hca]}, shape: [compress_ratio, head_dim]",
+                "when: {atention: [hca]}, shape: [compress_ratio, head_dim]")
+    assert error_of(load_tensor_table, p) == (
+        f"{p}:{line(p, 'atention')}: unknown key 'atention' (accepted: attention, routing, role, stage) "
+        "at 'entries.22.when.atention'")
+
+
+# ---------------------------------------------------------------- quant.yaml
+
+def test_quant_unknown_part_dtype(tmp_path):
+    p = edit(QUANT, tmp_path / "quant.yaml", "- {role: data, dtype: F32}", "- {role: data, dtype: FP32}")
+    assert error_of(load_quant, p) == (
+        f"{p}:{line(p, 'FP32')}: invalid enum value 'FP32' (accepted: BF16, F32, I64, I8, F8_E4M3, F8_E8M0) "
+        "at 'formats.f32.parts.0.dtype'")
+
+
+def test_quant_unknown_dtype_name(tmp_path):
+    p = edit(QUANT, tmp_path / "quant.yaml", "  F32: {bytes: 4,", "  FP32: {bytes: 4,")
+    assert error_of(load_quant, p) == (
+        f"{p}:{line(p, 'FP32')}: invalid enum value 'FP32' (accepted: BF16, F32, I64, I8, F8_E4M3, F8_E8M0) "
+        "at 'dtypes.FP32'")
+
+
+def test_quant_format_missing_key(tmp_path):
+    p = edit(QUANT, tmp_path / "quant.yaml", "    logical: any\n    parts:\n      - {role: data, dtype: I64}",
+             "    parts:\n      - {role: data, dtype: I64}")
+    assert error_of(load_quant, p) == f"{p}:{line(p, '  i64:')}: missing required key 'logical' at 'formats.i64'"
+
+
+def test_quant_selected_unknown_format(tmp_path):
+    p = edit(QUANT, tmp_path / "quant.yaml", "fp8: fp8_block}", "fp8: fp8_blocks}")
+    assert error_of(load_quant, p) == (
+        f"{p}:{line(p, 'fp8_blocks')}: choice 'fp8' of 'routed_expert' names unknown format 'fp8_blocks' "
+        "(accepted: bf16, f32, i64, fp8_block, mxfp4)")
+
+
+# ---------------------------------------------------------------- spec/models/*.yaml
+
+@pytest.fixture
+def model_file(tmp_path, monkeypatch):
+    """Edit the model spec into tmp_path/models and make the variants module read that folder."""
+    def make(old, new):
+        monkeypatch.setattr(variants, "MODELS_DIR", tmp_path / "models")
+        return edit(MODEL, tmp_path / "models" / MODEL.name, old, new)
+    return make
+
+
+def test_model_unknown_key_in_variant_set(model_file):
+    p = model_file("      hidden_size: 256\n", "      hiden_size: 256\n")
+    assert error_of(variants.variant_config, "tiny") == (
+        f"{p}:{line(p, 'hiden_size')}: variant 'tiny': unknown config key 'hiden_size' "
+        f"(accepted: {', '.join(sorted(CONFIG_KEYS))})")
+
+
+def test_model_unknown_variant_field(model_file):
+    p = model_file("  tiny:\n    doc: >", "  tiny:\n    sets: {}\n    doc: >")
+    assert error_of(variants.variant_config, "tiny") == (
+        f"{p}:{line(p, 'sets:')}: unknown key 'sets' (accepted: doc, set, unset) at 'variants.tiny.sets'")
+
+
+def test_model_bad_value_type(model_file):
+    p = model_file("  hidden_size: 4096\n", '  hidden_size: "4096"\n')
+    quoted = 'hidden_size: "4096"'
+    assert error_of(variants.variant_config, "flash-0731") == (
+        f"{p}:{line(p, quoted)}: variant 'flash-0731': expected `int`, got `str` at 'hidden_size'")
+
+
+def test_model_bad_value_type_in_variant_set(model_file):
+    p = model_file("      hidden_size: 256\n", "      hidden_size: small\n")
+    assert error_of(variants.variant_config, "tiny") == (
+        f"{p}:{line(p, 'hidden_size: small')}: variant 'tiny': expected `int`, got `str` at 'hidden_size'")
+
+
+def test_model_unset_missing_key(model_file):
+    p = model_file("unset: [dspark_block_size,", "unset: [dspark_blocksize,")
+    assert error_of(variants.variant_config, "flash-preview") == (
+        f"{p}:{line(p, 'dspark_blocksize')}: variant 'flash-preview' unsets 'dspark_blocksize', "
+        "which the base config does not have")
+
+
+def test_model_dspark_target_out_of_range(model_file):
+    p = model_file("dspark_target_layer_ids: [40, 41, 42]", "dspark_target_layer_ids: [40, 41, 43]")
+    assert error_of(variants.variant_config, "flash-0731") == (
+        f"{p}:{line(p, '[40, 41, 43]')}: variant 'flash-0731': dspark_target_layer_ids names "
+        "layer 43, outside 0..42")
+
+
+def test_model_dspark_target_out_of_range_in_variant_set(model_file):
+    p = model_file("      dspark_target_layer_ids: [3, 4, 5]", "      dspark_target_layer_ids: [3, 4, 6]")
+    assert error_of(variants.variant_config, "tiny") == (
+        f"{p}:{line(p, '[3, 4, 6]')}: variant 'tiny': dspark_target_layer_ids names layer 6, outside 0..5")
+
+
+def test_model_half_the_dspark_keys(model_file):
+    p = model_file("  dspark_block_size: 5\n  dspark_noise_token_id: 128799\n", "")
+    assert error_of(variants.variant_config, "flash-0731") == (
+        f"{p}:{line(p, 'dspark_target_layer_ids: [40')}: variant 'flash-0731': the dspark_* keys must be all "
+        "present (DeepSeek-V4-Flash-0731) or all absent (preview); missing: dspark_block_size, "
+        "dspark_noise_token_id")
+
+
+# ---------------------------------------------------------------- graph.yaml
+
+ADD_STEP = "{op: add, args: {a: routed, b: shared}, out: [out]}"
+
+
+def graph(tmp_path, old, new):
+    return edit(GRAPH, tmp_path / "graph.yaml", old, new)
+
+
+def lower_file(path):
+    return lower(load_graph(path), load_profile("cpu"), load_tensor_table())
+
+
+def test_graph_unknown_op(tmp_path):
+    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("op: add", "op: plus"))
+    assert error_of(load_graph, p) == f"{p}:{line(p, 'op: plus')}: unknown op 'plus' (accepted: {real_ops()})"
+
+
+def test_graph_unbound_port(tmp_path):
+    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace(", b: shared", ""))
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add': argument 'b' is not bound"
+
+
+def test_graph_extra_arg(tmp_path):
+    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("b: shared", "b: shared, c: x"))
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add' has no argument 'c' (accepted: a, b)"
+
+
+def test_graph_missing_attr(tmp_path):
+    p = graph(tmp_path, "attrs: {streams: cfg.hc_mult}, ", "")
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: hc_expand')}: op 'hc_expand': attr 'streams' is not bound"
+
+
+def test_graph_wrong_number_of_outputs(tmp_path):
+    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("out: [out]", "out: [out, extra]"))
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add' has 1 output (y), step binds 2"
+
+
+def test_graph_attr_unknown_config_key(tmp_path):
+    p = graph(tmp_path, "attrs: {streams: cfg.hc_mult}", "attrs: {streams: cfg.hiden_size}")
+    assert error_of(load_graph, p) == (
+        f"{p}:{line(p, 'cfg.hiden_size')}: attr 'streams': unknown config key 'hiden_size' in 'cfg.hiden_size' "
+        f"(accepted: {', '.join(sorted(CONFIG_KEYS | RANK_KEYS))})")
+
+
+def test_graph_attr_unknown_layer_field(tmp_path):
+    p = graph(tmp_path, "attrs: {window: cfg.sliding_window, ratio: layer.ratio}",
+              "attrs: {window: cfg.sliding_window, ratio: layer.ratios}")
+    assert error_of(load_graph, p) == (
+        f"{p}:{line(p, '  - op: sparse_attention')}: attr 'ratio': unknown layer field 'ratios' in 'layer.ratios' "
+        "(accepted: index, prefix, role, attention, ratio, routing, rope, stage, last_stage)")
+
+
+def test_graph_attr_unknown_root(tmp_path):
+    p = graph(tmp_path, "attrs: {streams: cfg.hc_mult}", "attrs: {streams: config.hc_mult}")
+    assert error_of(load_graph, p) == (
+        f"{p}:{line(p, 'config.hc_mult')}: attr 'streams': unknown name 'config' in 'config.hc_mult' "
+        "(accepted: cfg, layer, rope)")
+
+
+def test_graph_step_unknown_key(tmp_path):
+    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("args:", "arg:"))
+    assert error_of(load_graph, p) == (
+        f"{p}:{line(p, '{op: add')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, tap_layers) "
+        "at 'programs.ffn.steps.4.arg'")
+
+
+def test_graph_unknown_program(tmp_path):
+    p = graph(tmp_path, "{call: ffn, args", "{call: fnn, args")
+    assert error_of(load_graph, p) == (
+        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, draft, draft_context, ffn, model, ring_entry)")
+
+
+def test_graph_reads_value_defined_later(tmp_path):
+    # the shared expert moved after the sum that reads its output
+    shared = ("      - op: swiglu_mlp\n"
+              "        args: {x: x, w1: p.ffn.shared_experts.w1.weight, w3: p.ffn.shared_experts.w3.weight,"
+              " w2: p.ffn.shared_experts.w2.weight}\n"
+              "        attrs: {limit: cfg.swiglu_limit}\n"
+              "        out: [shared]\n")
+    add = f"      - {ADD_STEP}\n"
+    p = graph(tmp_path, shared + add, add + shared)
+    assert error_of(lower_file, p) == (
+        f"{p}:{line(p, ADD_STEP)}: 'shared' is not defined before this step "
+        "(defined: batch, ids, routed, weights, x)")
+
+
+def test_graph_reads_parameter_a_layer_kind_lacks(tmp_path):
+    # the non-overlapping (HCA) compressor step made to run in sliding-window layers too
+    old = "      - op: compress\n        when: {attention: [hca]}"
+    p = graph(tmp_path, old, "      - op: compress\n        when: {attention: [swa, hca]}")
+    assert error_of(lower_file, p) == (
+        f"{p}:{line(p, '[swa, hca]') - 1}: parameter 'attn.compressor.wkv.weight' does not exist in "
+        "attention=swa layers, which this step runs for (restrict the step with 'when')")
+
+
+def test_graph_reads_unknown_parameter(tmp_path):
+    p = graph(tmp_path, "bias: p.ffn.gate.bias}", "bias: p.ffn.gate.bais}")
+    keys = ("attn.attn_sink, attn.kv_norm.weight, attn.q_norm.weight, attn.wkv.weight, attn.wo_a.weight, "
+            "attn.wo_b.weight, attn.wq_a.weight, attn.wq_b.weight, attn_norm.weight, ffn.experts.placement, "
+            "ffn.experts.w1.weight, "
+            "ffn.experts.w2.weight, ffn.experts.w3.weight, ffn.gate.bias, ffn.gate.weight, "
+            "ffn.shared_experts.w1.weight, ffn.shared_experts.w2.weight, ffn.shared_experts.w3.weight, "
+            "ffn_norm.weight, hc_attn_base, hc_attn_fn, hc_attn_scale, hc_ffn_base, hc_ffn_fn, hc_ffn_scale")
+    assert error_of(lower_file, p) == (
+        f"{p}:{line(p, '  - op: route_learned')}: unknown parameter 'ffn.gate.bais' (accepted: {keys})")
+
+
+def test_graph_returns_undefined(tmp_path):
+    p = graph(tmp_path, "    returns: [x_out, cache]", "    returns: [x_outt, cache]")
+    assert error_of(lower_file, p) == (
+        f"{p}:{line(p, 'x_outt')}: program 'block' returns 'x_outt', which no step defines")
+
+
+# ---------------------------------------------------------------- backends/<name>/profile.yaml
+
+def profile(tmp_path, old, new, name="cpu"):
+    return edit(PROFILE, tmp_path / name / "profile.yaml", old, new)
+
+
+def test_profile_unknown_op(tmp_path):
+    p = profile(tmp_path, "runtime_formats:\n",
+                "ops:\n  lineer: {impl: reference, reason: \"typo\"}\nruntime_formats:\n")
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'lineer')}: unknown op 'lineer' (accepted: {real_ops()})")
+
+
+def test_profile_unknown_tensor_class(tmp_path):
+    p = profile(tmp_path, "    hash_table: index_i64", "    hash_tables: index_i64")
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'hash_tables')}: unknown tensor class 'hash_tables' (accepted: {real_classes()})")
+
+
+def test_profile_unknown_runtime_format(tmp_path):
+    p = profile(tmp_path, "    hash_table: index_i64", "    hash_table: index_u16")
+    accepted = ", ".join(load_runtime_formats().formats)
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'index_u16')}: unknown runtime format 'index_u16' (accepted: {accepted})")
+
+
+def test_profile_unknown_default_runtime_format(tmp_path):
+    p = profile(tmp_path, "  default: dense_f64", "  default: dense_f8")
+    accepted = ", ".join(load_runtime_formats().formats)
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'dense_f8')}: unknown runtime format 'dense_f8' (accepted: {accepted})")
+
+
+def test_profile_bad_impl(tmp_path):
+    p = profile(tmp_path, "  impl: reference\n", "  impl: compiled\n")
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'compiled')}: invalid enum value 'compiled' (accepted: reference, composite, native) "
+        "at 'op_default.impl'")
+
+
+def test_profile_native_without_call(tmp_path):
+    p = profile(tmp_path, "runtime_formats:\n", "ops:\n  linear: {impl: native, reason: \"fast\"}\nruntime_formats:\n")
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'impl: native')}: op 'linear' lowers to native but names no 'call'")
+
+
+def test_profile_name_must_match_folder(tmp_path):
+    p = profile(tmp_path, "name: cpu\n", "name: cpu\n", name="npu")
+    assert error_of(load_profile, "npu", p) == (
+        f"{p}:{line(p, 'name: cpu')}: profile name 'cpu' does not match its folder 'npu'")
