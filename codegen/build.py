@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from codegen.lower import lower
+from codegen.lower import Rewrite, lower
 from spec.graph import GRAPH_PATH, load_graph
 from spec.profile import load_profile, load_runtime_formats, profile_path
 from spec.tables import SPEC_DIR, load_tensor_table
@@ -46,16 +46,18 @@ def _env() -> jinja2.Environment:
                               autoescape=False)
 
 
-def render(backend: str, spec_dir: Path = SPEC_DIR) -> dict[str, str]:
+def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()) -> dict[str, str]:
     """File name -> content of the backend's generated folder (from another spec folder for
-    `dsv4gen diff --spec`)."""
+    `dsv4gen diff --spec`; with a `rewrite` for a temporary package, see `render_into`)."""
     spec_dir = Path(spec_dir)
     profile = load_profile(backend)
     table = load_tensor_table(spec_dir / "tensors.yaml", spec_dir / "quant.yaml")
-    lowered = lower(load_graph(spec_dir / "graph.yaml"), profile, table)
+    lowered = lower(load_graph(spec_dir / "graph.yaml"), profile, table, rewrite)
     runtime = load_runtime_formats(spec_dir / "runtime.yaml").formats
-    formats = {cls: profile.runtime_format(cls) for cls in table.classes}
-    used = sorted(set(formats.values()) | set(profile.expert_modes.values()))
+    formats = {**{cls: profile.runtime_format(cls) for cls in table.classes}, **rewrite.runtime_formats}
+    expert_modes = {**profile.expert_modes, **rewrite.expert_modes}
+    used = sorted(set(formats.values()) | set(expert_modes.values()))
+    converters = {**{f: runtime[f].convert for f in used if f in runtime}, **rewrite.converters}
     by_impl: dict[str, int] = {}
     for op in lowered.ops:
         by_impl[op.impl] = by_impl.get(op.impl, 0) + 1
@@ -64,18 +66,22 @@ def render(backend: str, spec_dir: Path = SPEC_DIR) -> dict[str, str]:
         "spec_hash": spec_hash(backend, spec_dir),
         "profile_doc": profile.doc,
         "compute_dtype": profile.compute_dtype,
+        "cache": profile.cache,
+        "ep_dispatch": profile.ep_dispatch.mode,
         "imports": lowered.imports,
         "functions": lowered.functions,
         "dispatch": lowered.dispatch,
         "ops": lowered.ops,
         "lowering_summary": ", ".join(f"{n} {impl}" for impl, n in sorted(by_impl.items())),
         "runtime_formats": sorted(formats.items()),
-        "converters": [(f, runtime[f].convert) for f in used],
-        "tensors": [{"cls": cls, "fmt": fmt, "conv": runtime[fmt].convert,
+        "converters": [(f, converters[f]) for f in used],
+        "tensors": [{"cls": cls, "fmt": fmt, "conv": converters[fmt],
                      "patterns": ", ".join(dict.fromkeys(f"`{e.key}`" for e in table.entries if e.tensor_class == cls))}
                     for cls, fmt in sorted(formats.items())],
         "lessons": sorted(profile.lessons.items()),
-        "expert_modes": sorted(profile.expert_modes.items()),
+        "expert_modes": sorted(expert_modes.items()),
+        "record": bool(rewrite.record_ops) or rewrite.record_dispatch,
+        "record_dispatch": rewrite.record_dispatch,
     }
     env = _env()
     return {
@@ -84,6 +90,15 @@ def render(backend: str, spec_dir: Path = SPEC_DIR) -> dict[str, str]:
         "loader.py": env.get_template("loader.py.j2").render(ctx),
         "PLAN.md": env.get_template("plan.md.j2").render(ctx),
     }
+
+
+def render_into(backend: str, rewrite: Rewrite, folder: Path) -> Path:
+    """Write the backend's generated files, rendered with `rewrite`, into a new folder (a temporary
+    package: lib.runtime.loaded_model.generated_from imports it)."""
+    folder.mkdir(parents=True, exist_ok=False)
+    for name, content in render(backend, rewrite=rewrite).items():
+        (folder / name).write_text(content, encoding="utf-8")
+    return folder
 
 
 def generated_dir(backend: str) -> Path:

@@ -8,7 +8,8 @@ this module returns.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
+from typing import Mapping, NamedTuple
 
 from spec.graph import BATCH_FIELDS, CACHE_FIELDS, LoadedGraph, Program, Step
 from spec.profile import Profile
@@ -36,6 +37,21 @@ class OpUse(NamedTuple):
     reason: str
     device_ops: tuple[str, ...]
     lessons: tuple[str, ...]
+
+
+class Rewrite(NamedTuple):
+    """Changes to one rendering of a backend, for a temporary generated package (conformance renders a
+    catalogued field bug this way, the way the port's own code carried it); the checked-in output
+    never has one. `calls`: op -> "module:function" called instead of the profile's lowering;
+    `kwargs`: op -> {keyword: Python expression, or "module:function" for a function} set on (or
+    added to) every call of the op."""
+    calls: Mapping[str, str] = {}
+    kwargs: Mapping[str, Mapping[str, str]] = {}
+    runtime_formats: Mapping[str, str] = {}     # tensor class -> runtime format (generated loader)
+    expert_modes: Mapping[str, str] = {}        # expert mode -> runtime format of class routed_expert
+    converters: Mapping[str, str] = {}          # runtime format -> converter, added or replaced
+    record_ops: tuple[str, ...] = ()            # ops whose every call is appended to the module's RECORDED
+    record_dispatch: bool = False               # likewise every call through a dispatch table (sub-layers)
 
 
 class Lowered(NamedTuple):
@@ -84,8 +100,8 @@ def _lacking(table: TensorTable, kind: dict[str, str], key: str) -> str:
 
 
 class _Lowerer:
-    def __init__(self, lg: LoadedGraph, profile: Profile, table: TensorTable):
-        self.lg, self.profile, self.table = lg, profile, table
+    def __init__(self, lg: LoadedGraph, profile: Profile, table: TensorTable, rewrite: Rewrite):
+        self.lg, self.profile, self.table, self.rewrite = lg, profile, table, rewrite
         self.modules: dict[str, str] = {}     # module path -> alias
         self.ops: dict[tuple[str, str], OpUse] = {}
 
@@ -111,9 +127,21 @@ class _Lowerer:
         low = self.profile.lowering(op, fmt)
         ref = self.lg.graph.ops[op].reference if low.impl == "reference" else low.call
         self.ops[(op, fmt or "")] = OpUse(op, fmt or "", low.impl, ref, low.reason, low.device_ops, low.lessons)
+        return self.function(self.rewrite.calls.get(op, ref))
+
+    def call(self, op: str, fmt: str | None = None) -> str:
+        """What a step of `op` calls: its lowering, wrapped by the recorder in a recording render."""
+        impl = self.impl(op, fmt)
+        return f'_record("{op}", {impl})' if op in self.rewrite.record_ops else impl
+
+    def function(self, ref: str) -> str:
+        """'package.module:function' -> the aliased name the generated code calls."""
         module, _, fn = ref.partition(":")
         alias = self.modules.setdefault(module, "_" + module.split(".")[-1])
         return f"{alias}.{fn}"
+
+    def kwarg(self, value: str) -> str:
+        return self.function(value) if re.fullmatch(r"[\w.]+:\w+", value) else value
 
     def lower_program(self, name: str, kind: dict[str, str]) -> Function:
         prog = self.lg.graph.programs[name]
@@ -129,9 +157,10 @@ class _Lowerer:
             where = self.lg.where(name, i)
             args = [self.value(v, env, pkeys, scope, where, kind) for v in step.args.values()]
             if step.op is not None:
-                attrs = [f"{k}={v}" for k, v in step.attrs.items()]
+                rewritten = {k: self.kwarg(v) for k, v in self.rewrite.kwargs.get(step.op, {}).items()}
+                attrs = [f"{k}={v}" for k, v in {**step.attrs, **rewritten}.items()]
                 fmt = self.dispatch_format(step.op, step, scope, kind, where)
-                body += _assign(step.out, f"{self.impl(step.op, fmt)}(", args + attrs)
+                body += _assign(step.out, f"{self.call(step.op, fmt)}(", args + attrs)
             elif step.loop is not None:
                 body += self.loop(step, args, where)
             else:
@@ -199,10 +228,10 @@ class _Lowerer:
         x = step.out[0]
         tap = [] if step.tap is None else [
             f"    if layer.index in ({step.tap_layers}):",
-            f"        {step.tap}.append({self.impl('stream_mean')}({x}))"]
+            f"        {step.tap}.append({self.call('stream_mean')}({x}))"]
         head = [] if step.tap is None else [f"{step.tap} = []"]
         return [*head, "new_caches = []",
-                f"for layer, lp, cache in zip({step.loop}(cfg), {records}, {caches}):",
+                f"for layer, lp, cache in zip(params.{step.loop}_layers, {records}, {caches}):",
                 *("    " + line for line in _assign(step.out[:-1] + ("cache",), f"{self.callee(step.call)}(", call_args)),
                 "    new_caches.append(cache)",
                 *tap,
@@ -229,8 +258,8 @@ def _assign(targets: tuple[str, ...], head: str, args: list[str]) -> list[str]:
     return [lhs + head, *(f"    {a}," for a in args), ")"]
 
 
-def lower(lg: LoadedGraph, profile: Profile, table: TensorTable) -> Lowered:
-    lw = _Lowerer(lg, profile, table)
+def lower(lg: LoadedGraph, profile: Profile, table: TensorTable, rewrite: Rewrite = Rewrite()) -> Lowered:
+    lw = _Lowerer(lg, profile, table, rewrite)
     functions, dispatch = [], []
     for name, prog in lg.graph.programs.items():
         if prog.variants is None:

@@ -5,7 +5,8 @@ own thread; the event loop never touches it. Handlers send commands (add, abort)
 and get each step's outputs back on their handle's asyncio.Queue (`call_soon_threadsafe`). A
 request refused by the engine (too long, bad token id...) raises ValueError in the handler that
 submitted it. If a step raises, the engine is dead: every handle gets the error, `/health` turns
-503, new requests are refused, and nothing hangs.
+503, new requests are refused, and nothing hangs. On shutdown (`end_all`) every open request ends
+with ShuttingDown and is aborted in the engine, so its caches are free before the engine thread stops.
 Must not know HTTP or the OpenAI formats.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import AsyncIterator, NamedTuple
 from lib.engine.llm_engine import Engine
 from lib.engine.requests import RequestOutput
 from lib.engine.sampling import SamplingParams
-from serve.errors import EngineDead, Overloaded
+from serve.errors import EngineDead, Overloaded, ShuttingDown
 
 log = logging.getLogger("dsv4gen.serve")
 
@@ -46,6 +47,7 @@ class RequestHandle:
         self.finished = False
         self.completion_tokens = 0
         self.arrival = time.monotonic()
+        self.status: str | None = None    # finish reason, "error" or "aborted..." once it ended (the request log)
 
     async def stream(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; raises EngineDead if the engine dies meanwhile."""
@@ -53,9 +55,12 @@ class RequestHandle:
             out = await self.outputs.get()
             if isinstance(out, BaseException):
                 self.finished = True
+                self.status = self.status or "error"
                 raise out
             self.completion_tokens += len(out.new_tokens)
             self.finished = out.finished
+            if out.finished:
+                self.status = "error" if out.error else (out.finish_reason or "stop")
             yield out
 
     def abort(self) -> None:
@@ -63,6 +68,7 @@ class RequestHandle:
         Idempotent; a no-op once finished."""
         if not self.finished:
             self.finished = True
+            self.status = self.status or "aborted"
             self.owner._abort(self)
 
 
@@ -79,6 +85,7 @@ class AsyncEngine:
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self.closing: str | None = None                       # why new requests are refused (shutdown)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="dsv4gen-engine", daemon=True)
 
@@ -100,6 +107,18 @@ class AsyncEngine:
             except Exception as err:                     # the group may already be broken: workers are killed
                 log.warning("closing the worker ranks: %s", err)
 
+    def end_all(self, reason: str = "the server is shutting down") -> int:
+        """Shutdown: refuse new requests and end every open one now: its handler gets ShuttingDown
+        (a stream sends it as an error event, then [DONE]) and the engine frees its caches at its
+        next command drain (`stop` drains once more). Returns how many were open. Loop thread only."""
+        self.closing = reason
+        handles = list(self._handles.values())
+        for handle in handles:
+            handle.status = "aborted (shutdown)"
+            handle.outputs.put_nowait(ShuttingDown(f"{reason}; the request was aborted"))
+            self._abort(handle)                     # not handle.abort(): its stream must still read the error
+        return len(handles)
+
     def fail(self, reason: str) -> None:
         """The engine cannot go on (a worker rank died): refuse and end everything now. Any thread."""
         if self.dead:
@@ -118,6 +137,8 @@ class AsyncEngine:
     async def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         if self.dead:
             raise EngineDead(f"the engine is not running: {self.dead}")
+        if self.closing:
+            raise ShuttingDown(self.closing)
         if self.in_flight >= self.max_in_flight:
             raise Overloaded(f"the server is at capacity ({self.in_flight} requests in flight); retry shortly",
                              headers={"Retry-After": "1"})
@@ -184,6 +205,7 @@ class AsyncEngine:
                 self._publish()
                 if self.on_step is not None:
                     self.on_step(self.snapshot.running)
+            self._drain(refuse=True)                # aborts sent just before stop() still free their caches
         except BaseException as err:                # the engine is unusable: say so everywhere
             self.dead = self.dead or self._worker_death() or f"{type(err).__name__}: {err}"
             log.error("engine step failed; the server is now unhealthy\n%s", traceback.format_exc())
@@ -211,13 +233,16 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self.engine.release(rid)
                 continue
-            error = EngineDead(f"the engine is not running: {self.dead}") if refuse else None
+            error = EngineDead(f"the engine is not running: {self.dead or 'stopped'}") if refuse else None
             if error is None:
                 try:
                     self.engine.add_request(*payload, request_id=rid)
                 except ValueError as err:
                     error = err
-            self._loop.call_soon_threadsafe(self._settle, future, error)
+            try:
+                self._loop.call_soon_threadsafe(self._settle, future, error)
+            except RuntimeError:                    # the loop is closed: nobody waits for the answer
+                pass
         self._publish()
 
     def _publish(self) -> None:

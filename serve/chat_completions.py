@@ -84,7 +84,7 @@ async def create_chat_completion(ctx: ServerContext, body: bytes, receive):
     if req.stream:
         usage_wanted = req.stream_options is not None and req.stream_options.include_usage
         return EventStream(_stream(ctx, handle, rid, created, parse, show_reasoning, req.logprobs, usage_wanted),
-                           abort_all(handles))
+                           abort_all(handles, rid, "chat, stream"))
 
     async def collect() -> ChatCompletion:
         text, records, reason = "", [], None
@@ -101,7 +101,7 @@ async def create_chat_completion(ctx: ServerContext, body: bytes, receive):
         return ChatCompletion(rid, "chat.completion", created, ctx.model_name,
                               [ChatChoice(0, message, logprobs, "tool_calls" if calls else reason)], usage)
 
-    return await run_until_disconnect(receive, collect(), abort_all(handles))
+    return await run_until_disconnect(receive, collect(), abort_all(handles, rid, "chat"))
 
 
 async def _stream(ctx: ServerContext, handle, rid: str, created: int, parse: dict, show_reasoning: bool,

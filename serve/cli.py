@@ -3,11 +3,15 @@
 The socket is bound only after the model is loaded and the engine built, so "connection refused"
 means "still loading" and a successful connect means the server can answer (vLLM's contract).
 With no --model it serves the embedded tiny checkpoint on this CPU.
+On SIGINT / SIGTERM every open request ends at once (a stream with an error event, then [DONE]), its
+caches are freed, and the process exits 0 without a traceback. Each request gets one log line
+(`dsv4gen.serve.requests`, INFO, on stderr) unless --disable-log-requests.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -41,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     add_parallel_arguments(p)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (request id, tokens, finish status, latency)")
     return p
 
 
@@ -88,8 +94,8 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
         path, name = Path(args.model), args.served_model_name or Path(args.model).resolve().name
     else:
         from lib.weights.tiny_checkpoint import embedded_tiny
-        print("using the embedded tiny checkpoint (made on first use)", file=out)
-        path, name = embedded_tiny(), args.served_model_name or TINY_NAME
+        path, name = embedded_tiny(out=out), args.served_model_name or TINY_NAME   # says so when it makes it
+        print(f"using the embedded tiny checkpoint {path}", file=out)
     args.backend = detect_backend() if args.backend == "auto" else args.backend
     ranks = max(args.tp, args.ep)
     print(f"loading {path} for backend {args.backend}" + (f" on {ranks} ranks (TP={args.tp}, EP={args.ep})"
@@ -121,8 +127,10 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     return Prepared(build_app(ctx), ctx, sock, f"http://{shown}:{port}")
 
 
-def server_for(prepared: Prepared, log_level: str = "warning", announce=None):
-    """A uvicorn Server on the prepared socket; `announce(url)` runs once it accepts connections."""
+def server_for(prepared: Prepared, log_level: str = "warning", announce=None, out=None):
+    """A uvicorn Server on the prepared socket; `announce(url)` runs once it accepts connections.
+    Its shutdown first ends every open request (uvicorn alone would wait for open streams until
+    its graceful-shutdown timeout, then cancel them mid-write)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -130,6 +138,12 @@ def server_for(prepared: Prepared, log_level: str = "warning", announce=None):
             await super().startup(sockets=sockets)
             if announce is not None and not self.should_exit:
                 announce(prepared.url)
+
+        async def shutdown(self, sockets=None):
+            ended = prepared.context.engine.end_all("the server is shutting down")
+            if out is not None:
+                print(f"shutting down: {ended} open request(s) ended", file=out, flush=True)
+            await super().shutdown(sockets=sockets)
 
     return Server(uvicorn.Config(prepared.app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
 
@@ -142,17 +156,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     keep_freed_memory()                          # lib/runtime/hostmem.py: large temporaries reuse the heap
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dsv4gen.serve.requests").setLevel(logging.WARNING if args.disable_log_requests
+                                                         else logging.INFO)
     try:
         prepared = prepare(argv)
     except (SpecError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"serve: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                    # Ctrl-C while loading: nothing to shut down
+        print("serve: interrupted while loading", file=sys.stderr)
+        return 130
 
     def announce(url: str) -> None:
         print(f"listening on {url}  (OpenAI API at {url}/v1)", flush=True)
 
-    server = server_for(prepared, args.log_level, announce)
-    server.run(sockets=[prepared.sock])
+    server = server_for(prepared, args.log_level, announce, out=sys.stderr)
+    # uvicorn handles SIGINT / SIGTERM itself, then re-raises the signal under the handler it found:
+    # after its clean shutdown that must neither kill us (SIGTERM's default) nor print a traceback
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[prepared.sock])
+    except KeyboardInterrupt:                    # uvicorn re-raises the SIGINT it handled: already shut down
+        pass
+    blocks = prepared.context.engine.snapshot.blocks
+    print(f"server stopped; cache blocks in use: {sum(u for _, u, _ in blocks)} of {sum(t for _, _, t in blocks)}",
+          file=sys.stderr, flush=True)
     return 0
 
 

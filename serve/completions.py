@@ -38,7 +38,8 @@ async def create_completion(ctx: ServerContext, body: bytes, receive):
     rid, created, model = new_id("cmpl"), now(), ctx.model_name
     if req.stream:
         usage_wanted = req.stream_options is not None and req.stream_options.include_usage
-        return EventStream(_stream(ctx, handles, echoes, rid, created, usage_wanted), abort_all(handles))
+        return EventStream(_stream(ctx, handles, echoes, rid, created, usage_wanted),
+                           abort_all(handles, rid, "completion, stream"))
 
     async def collect() -> Completion:
         choices = [CompletionChoice(i, echoes[i], None, None) for i in range(len(handles))]
@@ -60,7 +61,7 @@ async def create_completion(ctx: ServerContext, body: bytes, receive):
         return Completion(rid, "text_completion", created, model, choices,
                           Usage(prompt_tokens, completion, prompt_tokens + completion))
 
-    return await run_until_disconnect(receive, collect(), abort_all(handles))
+    return await run_until_disconnect(receive, collect(), abort_all(handles, rid, "completion"))
 
 
 async def _stream(ctx: ServerContext, handles, echoes, rid: str, created: int, usage_wanted: bool) -> AsyncIterator[bytes]:

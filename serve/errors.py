@@ -57,6 +57,11 @@ class EngineDead(APIError):
     status, kind = 503, "ServiceUnavailableError"
 
 
+class ShuttingDown(APIError):
+    """The server got SIGINT / SIGTERM: open requests end with this, new ones are refused."""
+    status, kind = 503, "ServiceUnavailableError"
+
+
 def stream_error(err: Exception) -> bytes:
     """An error inside an SSE stream whose 200 status is already sent: one `data: {"error": ...}` event
     (openai-python raises APIError on it); the caller then ends the stream with [DONE]."""

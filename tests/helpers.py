@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from lib.records.batch import make_batch
-from lib.runtime.loaded_model import Model, new_cache, step
+from lib.runtime.loaded_model import Model, step
 
 # A second tiny config for parity tests: other widths, window 8, HCA ratio 16, one hash layer.
 TINY_B = {
@@ -23,13 +23,13 @@ def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
 
 
 def prefill_logits(model: Model, ids: list[int]) -> torch.Tensor:
-    logits, _ = step(model, make_batch([ids]), [new_cache(model.cfg)])
+    logits, _ = step(model, make_batch([ids]), [model.new_cache()])
     return logits
 
 
 def chunked_logits(model: Model, ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Logits of every position when the sequence arrives in chunks of the given sizes."""
-    caches, out, pos = [new_cache(model.cfg)], [], 0
+    caches, out, pos = [model.new_cache()], [], 0
     for size in chunks:
         logits, caches = step(model, make_batch([ids[pos:pos + size]], [pos]), caches)
         out.append(logits)

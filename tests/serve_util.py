@@ -3,6 +3,7 @@ served by uvicorn on 127.0.0.1 on a free port from a background thread."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import httpx
@@ -58,3 +59,13 @@ def running_server(model_dir, *flags: str) -> Iterator[RunningServer]:
         yield running
     finally:
         running.stop()
+
+
+def wait_until(check, timeout: float = 20.0) -> bool:
+    """Poll `check` every 50 ms until it holds or `timeout` seconds pass."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False

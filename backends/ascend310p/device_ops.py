@@ -14,7 +14,7 @@ from lib.emulation.npu_ops import F16, F32, I8, device_op
 
 SOC = "310p"
 
-# op -> lessons (shared/PORTING-LESSONS.md) whose device behaviour the emulation reproduces
+# op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces
 DEVICE_OPS = MappingProxyType({
     "npu_quant_matmul": ("L03",),
     "npu_quant_matmul_dequant": ("L02",),

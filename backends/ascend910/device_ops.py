@@ -14,7 +14,7 @@ from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4, device_op
 
 SOC = "910b"
 
-# op -> lessons (shared/PORTING-LESSONS.md) whose device behaviour the emulation reproduces. L05 (rows past
+# op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces. L05 (rows past
 # the group list left unwritten) was seen on 310P; nothing documents it as 310P-only, so 910 emulates it too.
 DEVICE_OPS = MappingProxyType({
     "npu_dynamic_quant": ("L21",),

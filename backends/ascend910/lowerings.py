@@ -62,6 +62,7 @@ def _gmm_w4a8(x, w: W4A8, group_list):
     return y
 
 
-def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: ExpertPlacement, limit: float):
+def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: ExpertPlacement, limit: float,
+                   zero_tail: bool = True):
     return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
-                           gmm=_gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE)
+                           gmm=_gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail)

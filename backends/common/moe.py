@@ -52,18 +52,21 @@ def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
-                dtype: torch.dtype, unpermute_multiple: int = 1) -> torch.Tensor:
+                dtype: torch.dtype, unpermute_multiple: int = 1, zero_tail: bool = True) -> torch.Tensor:
     """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
-    EP group when there is one (lib/distributed/expert_exchange.py)."""
+    EP group when there is one (lib/distributed/expert_exchange.py). `zero_tail=False` leaves the rows
+    past the group list as the kernel wrote them (L05): only conformance renders that, as B10."""
     def rows(xs, es):
-        return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype)
+        return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype,
+                             zero_tail=zero_tail)
 
     def combine(pair_rows, ws):
         return _combine(pair_rows, ws, unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
     return ep.exchange(placement, x, weights, ids, ep.Experts(rows, combine, dtype, dtype))
 
 
-def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, dtype: torch.dtype) -> torch.Tensor:
+def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, dtype: torch.dtype,
+                  zero_tail: bool = True) -> torch.Tensor:
     """[T*k, d] expert rows of the (token, expert) pairs, t-major, for the EP ranks this process runs
     (one normally; all when EP is simulated); zero rows for pairs held elsewhere. Per rank: local
     ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05): a pair routed
@@ -81,7 +84,8 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
         group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
         act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit)
         down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d], sorted by local expert
-        down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
+        if zero_tail:                # False only to re-introduce B10 (conformance)
+            down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
         out = out + down.index_select(0, row_idx)                  # pair p's row (row_idx: [pair] -> row)
     return out
 

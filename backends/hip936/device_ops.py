@@ -12,7 +12,7 @@ import torch
 from lib.emulation import npu_ops as emu
 from lib.emulation.npu_ops import device_op
 
-# op -> lessons (shared/PORTING-LESSONS.md) whose device behaviour the emulation reproduces
+# op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces
 DEVICE_OPS = MappingProxyType({"_int_mm": ("L28",)})
 INT_MM_MIN_ROWS = 17  # L28: self.size(0) must be > 16; pad to 17 and slice the product back
 

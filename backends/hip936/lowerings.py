@@ -17,7 +17,7 @@ from backends.hip936 import device_ops as device
 from lib.distributed import expert_exchange as ep
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement, local_ids, rank_experts
-from lib.quant.runtime_formats import PackedFP4, packed_fp4_to_w8a8
+from lib.quant.runtime_formats import PackedFP4, packed_fp4_to_w8a8, quantize_rows
 
 DTYPE = torch.bfloat16
 
@@ -74,16 +74,17 @@ PAIRWISE_MAX = 64
 
 
 def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
-                   limit: float):
+                   limit: float, quantize=quantize_rows):
     """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
-    exchanged over the EP group when there is one (lib/distributed/expert_exchange.py)."""
+    exchanged over the EP group when there is one (lib/distributed/expert_exchange.py). `quantize` is
+    a fault site: conformance renders B03 through it."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
-        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
+        lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit, quantize),
         functools.partial(ep.weighted_sum, out_dtype=DTYPE), torch.float32, DTYPE))
 
 
 def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
-                 limit: float) -> torch.Tensor:
+                 limit: float, quantize) -> torch.Tensor:
     """fp32 [T*k, d] expert rows of the (token, expert) pairs held by the EP ranks this process runs
     (zero elsewhere: other ranks' experts map to the dummy zero expert, L06)."""
     t, k = ids.shape
@@ -94,11 +95,11 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t * k <= PAIRWISE_MAX:
             for j in range(k):
-                g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j])) for w in mats)
+                g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j]), quantize) for w in mats)
                 for i in range(t):
                     rows[i, j] = rows[i, j] + _expert(xq[i:i + 1], xs[i:i + 1], g1, g3, g2, i, limit)[0]
             continue
-        g1, g3, g2 = (packed_fp4_to_w8a8(w) for w in mats)
+        g1, g3, g2 = (packed_fp4_to_w8a8(w, quantize) for w in mats)
         for e in range(placement.n_local):
             y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
             rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)

@@ -32,12 +32,13 @@ def _margins(logits: torch.Tensor) -> list[float]:
 class Ours:
     """A dsv4gen backend through the engine."""
 
-    def __init__(self, path: Path, backend: str, chunk: int):
+    def __init__(self, path: Path, backend: str, chunk: int, code=None):
+        """`code`: the backend's generated package to run (default: the checked-in one)."""
         from lib.runtime.loaded_model import load_model
 
         self.name, self.chunk = backend, chunk
         t0 = time.perf_counter()
-        self.model = load_model(path, backend)
+        self.model = load_model(path, backend, code=code)
         self.load_s = time.perf_counter() - t0
 
     def _engine(self, seqs: int, longest: int, batched: int):

@@ -6,7 +6,7 @@ prefill are exactly the prefill of the prompt's first k chunks: every shorter le
 read off the same runs at its chunk boundary, and the pools are the same size for all lengths.
 Each chunk's cost is its fastest time over the runs. This shared 2-core machine only ever adds
 time, and unevenly: the same prefill moved by up to 17% within two minutes, and whole prefills
-timed one after the other (a zigzag over the lengths, up to stop 14) put that into single
+timed one after the other (a zigzag over the lengths) put that into single
 doublings, from 1.81x to 2.29x for the same doubling; chunk by chunk, the fastest of several
 runs is the chunk's cost with the interference left out (the reasoning of Python's timeit), and
 every chunk has the same number of runs to pick from, so no length is favoured. Each run's own

@@ -19,7 +19,6 @@ This is a benchmark, not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -77,31 +76,22 @@ def make_prompts(cfg, n: int = N_PROMPTS) -> list[list[int]]:
 
 
 # ---- the oracle drafter ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def oracle_drafter(engine, references: dict[tuple[int, ...], list[int]]):
-    """Within the block, `lib.engine.drafting.propose` drafts the target's own greedy continuation.
+def oracle_drafter(references: dict[tuple[int, ...], list[int]]):
+    """An engine drafter that proposes the target's own greedy continuation of each request.
 
-    The engine calls `dspark.propose(model, [r.output[-1] ...], [r.computed ...], rings, choose)` from
-    `Engine._draft` with rows in the order of its plan; the wrapper around this engine's `_draft`
-    records that plan, and each row is mapped back to its request, checked against the row's anchor
-    position (`starts`) and anchor token, and drafted from the request's prompt + reference output."""
+    It runs the checkpoint's DSpark drafter first (so its cost stays in the timing), then replaces
+    each row by the request's prompt + reference output after the anchor, after checking the
+    row's anchor position and token against the request."""
     from lib.engine import drafting as dspark
+    from lib.engine.llm_engine import dspark_drafter
 
-    real_propose, real_draft = dspark.propose, engine._draft
-    planned: list = []
-
-    def draft(plan):
-        planned[:] = [s.request for s in plan]
-        return real_draft(plan)
-
-    def propose(model, anchors, starts, rings, choose):
-        block = real_propose(model, anchors, starts, rings, choose)      # keep the drafter's cost
+    def drafter(model, requests, rings, choose):
+        block = dspark_drafter(model, requests, rings, choose)            # keep the drafter's cost
         gamma, vocab = block.tokens.shape[1], model.cfg.vocab_size
         noise = model.cfg.dspark_noise_token_id
-        if len(planned) != len(anchors):
-            raise RuntimeError(f"oracle drafter: {len(anchors)} rows but the engine planned {len(planned)} drafts")
+        anchors, starts = [r.output[-1] for r in requests], [r.computed for r in requests]
         rows = []
-        for req, anchor, start in zip(planned, anchors, starts):
+        for req, anchor, start in zip(requests, anchors, starts):
             full = req.prompt + references[tuple(req.prompt)]
             if req.computed != start or full[start] != anchor:
                 raise RuntimeError(f"oracle drafter: row for {req.id} (anchor {anchor} at {start}) does not match "
@@ -113,12 +103,7 @@ def oracle_drafter(engine, references: dict[tuple[int, ...], list[int]]):
         probs = torch.zeros(*tokens.shape, vocab).scatter_(-1, tokens.unsqueeze(-1), 1.0)  # one-hot: deterministic
         return dspark.DraftBlock(tokens, probs, block.confidence)
 
-    dspark.propose, engine._draft = propose, draft
-    try:
-        yield
-    finally:
-        dspark.propose = real_propose
-        del engine._draft                                       # back to the class method
+    return drafter
 
 
 # ---- one run ---------------------------------------------------------------------------------------
@@ -126,8 +111,8 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
     from lib.engine.llm_engine import Engine, EngineConfig
     from lib.engine.sampling import SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512,
-                                        speculative=SPECULATIVE[mode]))
+    config = EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512, speculative=SPECULATIVE[mode])
+    engine = Engine(model, config, drafter=oracle_drafter(references)) if mode == "oracle" else Engine(model, config)
     first: dict[str, float] = {}
     steps = 0
     real_step = engine.step
@@ -143,11 +128,9 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
         return outputs
 
     engine.step = step
-    oracle = oracle_drafter(engine, references) if mode == "oracle" else contextlib.nullcontext()
-    with oracle:
-        t0 = time.perf_counter()
-        reqs = engine.generate(prompts, SamplingParams(max_tokens=tokens))
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=tokens))
+    wall = time.perf_counter() - t0
     generated = sum(len(r.output) for r in reqs)
     ttft = [first[r.id] - t0 for r in reqs]
     drafted, accepted = list(engine.drafted), list(engine.accepted)

@@ -1,7 +1,9 @@
 """The `dsv4gen` command line: one subcommand per user task, each exiting non-zero on failure (B22).
 
 Subcommands parse arguments and call into the library; errors the user can fix (bad spec,
-broken checkpoint, bad arguments) print one clear message to stderr and exit with status 2.
+broken checkpoint, bad arguments) print one clear message to stderr and exit with status 2. A
+command that runs long announces its stages on stderr with their elapsed seconds (lib/console);
+Ctrl-C prints one line and exits with status 130 (lib/cli/interrupt.py).
 """
 from __future__ import annotations
 
@@ -10,13 +12,19 @@ import json
 import sys
 from pathlib import Path
 
+from lib.cli.interrupt import catching_interrupts, interrupted, quiet_spawned_worker
+from lib.console.stages import Stages
+
+quiet_spawned_worker()          # a TP / EP rank re-running this script: rank 0 handles Ctrl-C (lib/cli/interrupt.py)
+
 
 def _cmd_make_tiny(args) -> int:
     from lib.weights.tiny_checkpoint import make_tiny
     from spec.variants import parse_set_args
 
-    out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
-                    overwrite=args.force, progress=True)
+    with Stages("make-tiny")(f"writing a random checkpoint to {args.out} ({args.shards} shards)"):
+        out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
+                        overwrite=args.force, progress=True)
     print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
     return 0
 
@@ -62,8 +70,9 @@ def _model_path(args) -> Path:
     if args.model:
         return Path(args.model)
     from lib.weights.tiny_checkpoint import embedded_tiny
-    print("using the embedded tiny checkpoint (made on first use)", file=sys.stderr)
-    return embedded_tiny()
+    path = embedded_tiny(out=sys.stderr)           # says so when this call makes it (first use)
+    print(f"using the embedded tiny checkpoint {path}", file=sys.stderr)
+    return path
 
 
 def _load_options(args):
@@ -74,8 +83,9 @@ def _load_options(args):
 def _cmd_convert(args) -> int:
     from lib.weights.expert_conversion import convert
 
-    out = convert(_model_path(args), args.backend, args.out, tp=args.tp, ep=args.ep, overwrite=args.force,
-                  progress=True)
+    model = _model_path(args)
+    with Stages(f"convert {args.backend}")(f"converting the routed experts of {model} for TP={args.tp} EP={args.ep}"):
+        out = convert(model, args.backend, args.out, tp=args.tp, ep=args.ep, overwrite=args.force, progress=True)
     print(f"wrote {args.backend} routed experts for TP={args.tp} EP={args.ep} to {out}")
     return 0
 
@@ -96,8 +106,12 @@ def _cmd_conformance(args) -> int:
                          "(or more) so conformance runs the ranks in their own processes")
     if max(args.tp, args.ep) > 1:
         return _parallel_conformance(args)
+    stages = Stages(f"conformance {args.backend}" + (f" +{args.inject}" if args.inject else ""))
+    if args.inject in CATALOGUE:
+        stages.note(f"re-introducing {args.inject} for this run: {CATALOGUE[args.inject].what}")
     report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
-                             expert_mode=args.expert_mode, ep_sim=args.ep_sim)
+                             expert_mode=args.expert_mode, ep_sim=args.ep_sim, stages=stages)
+    stages.finish()
     print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
     print(report.table())
     if args.inject is None:
@@ -116,8 +130,20 @@ def _parallel_conformance(args) -> int:
     dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
     print(f"conformance of backend {args.backend} on TP={args.tp} EP={args.ep} ({dispatch})"
           + (f" with injected {args.inject}" if args.inject else ""))
-    results = parallel_check.check(_model_path(args), args.backend, args.tp, args.ep, dispatch, steps=args.steps,
-                                   options=_load_options(args), inject=args.inject)
+    path, options, layout = _model_path(args), _load_options(args), f"TP={args.tp} EP={args.ep} {dispatch}"
+    modes, prompts = ("none", "dspark"), parallel_check.DEFAULT_PROMPTS
+    stages = Stages(f"conformance {args.backend} {layout}" + (f" +{args.inject}" if args.inject else ""),
+                    total=2 * len(modes))
+    reference, results = {}, []
+    for mode in modes:               # parallel_check.check, one mode at a time, so each part is announced
+        with stages(f"one-process greedy reference ({mode}: {len(prompts)} prompts x {args.steps} tokens)"):
+            reference[mode] = parallel_check.greedy_tokens(path, args.backend, prompts, args.steps, speculative=mode,
+                                                           options=options)
+        with stages(f"{max(args.tp, args.ep)} ranks in their own processes ({mode}: load, then the same decode)"):
+            results += parallel_check.check(path, args.backend, args.tp, args.ep, dispatch, steps=args.steps,
+                                            prompts=prompts, modes=(mode,), options=options, reference=reference,
+                                            inject=args.inject)
+    stages.finish()
     for r in results:
         print(r.line())
     differ = [r for r in results if r.first_difference is not None]
@@ -208,11 +234,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`dsv4gen ARGS` (argv None: this process's command line, the program itself)."""
+    program, argv = argv is None, sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    with catching_interrupts(" ".join(["dsv4gen", *([command] if command else [])]), program) as outcome:
+        status = _main(argv)
+        if interrupted():                        # a Ctrl-C that something below caught and returned from
+            raise KeyboardInterrupt
+        return status
+    return outcome.status
+
+
+def _main(argv: list[str]) -> int:
     from lib.weights.checkpoint import CheckpointError
     from lib.runtime.hostmem import keep_freed_memory
     from spec.yamlio import SpecError
 
-    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
         from serve.cli import main as serve_main
         return serve_main(argv[1:])
@@ -221,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (SpecError, CheckpointError, FileExistsError, FileNotFoundError, ValueError) as err:
+        if interrupted(err):                 # raised by the cleanup of a Ctrl-C: reported as that
+            raise
         print(f"dsv4gen {args.command}: error: {err}", file=sys.stderr)
         return 2
 

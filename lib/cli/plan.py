@@ -61,17 +61,26 @@ def add_parser(sub, backend_names: list[str]) -> None:
 
 
 def _ops(args) -> int:
-    from lib.planner.launch_counts import decode_launches, format_report, record
+    from lib.console.stages import Stages
+    from lib.planner.launch_counts import decode_launches, format_report, record, shrunk_flash
     from spec.profile import backend_names
 
+    backends = backend_names() if args.backend == "all" else [args.backend]
+    model = Path(args.model) if args.model else None
+    if model is None:           # made once (minutes), then reused: said either way
+        shrunk_flash(stages=Stages("plan --ops"))
+    stages = Stages("plan --ops", total=len(backends))
     reports = []
-    for backend in (backend_names() if args.backend == "all" else [args.backend]):
-        reports.append(decode_launches(backend, Path(args.model) if args.model else None))
-        print(format_report(reports[-1]))
+    for backend in backends:
+        with stages(f"counting launches of one decode step and one DSpark round on {backend} "
+                    f"({model or 'shrunk Flash-0731'}: load, prefill, then under the guard)"):
+            reports.append(decode_launches(backend, model))
+        print(format_report(reports[-1]), flush=True)
     if args.record:
         if args.model:
             raise ValueError("--record keeps counts of the default shrunk Flash-0731 checkpoint only; drop --model")
         print(f"recorded in {record(reports)}")
+    stages.finish()
     return 0
 
 

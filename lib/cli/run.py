@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lib.console.stages import Stages
 from lib.launcher.arguments import add_parallel_arguments, launch_spec
 
 
@@ -47,7 +48,10 @@ def cmd_run(args) -> int:
 
     path = args.model_path(args)
     tok = Tokenizer.from_dir(path)
-    engine = launch(launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto")))
+    spec = launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto"))
+    layout = f", TP={spec.tp} EP={spec.ep} in {max(spec.tp, spec.ep)} processes" if max(spec.tp, spec.ep) > 1 else ""
+    with Stages(f"run {args.backend}")(f"loading {path}{layout}"):
+        engine = launch(spec)
     try:
         return _generate(args, engine, tok, encode_messages, SamplingParams)
     finally:
@@ -92,8 +96,11 @@ def cmd_logits(args) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--ids must be comma-separated integers, got '{args.ids}'") from None
-    model = load_model(args.model_path(args), backend=args.backend, progress=True, options=args.load_options(args))
-    logits = all_logits(model, ids).numpy()
+    path, stages = args.model_path(args), Stages(f"logits {args.backend}", total=2)
+    with stages(f"loading {path}"):
+        model = load_model(path, backend=args.backend, progress=True, options=args.load_options(args))
+    with stages(f"fp32 logits of {len(ids)} positions"):
+        logits = all_logits(model, ids).numpy()
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp.npy")
     np.save(tmp, logits)

@@ -17,10 +17,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 
-# Rows per block. Until stop 15 every row was its own item of one bmm against the weight expanded
-# per row, which copied the weight once per row (aten::copy_ was 65% of hip936's emulated prefill)
-# and ran bf16 per row 50-90x slower than this (a 512 x 1024 @ 1024 x 512 bf16 product: 727 ms
-# against 14 ms). 8 rows cost a one-row decode product about what one row did in bf16, twice in fp32.
+# Rows per block. Making every row its own item of one bmm against the weight expanded
+# per row would copy the weight once per row (aten::copy_ takes 65% of hip936's emulated prefill
+# that way) and run bf16 per row 50-90x slower than this (a 512 x 1024 @ 1024 x 512 bf16 product: 727 ms
+# against 14 ms). 8 rows cost a one-row decode product about what one row alone costs in bf16,
+# twice in fp32.
 ROWS = 8
 
 

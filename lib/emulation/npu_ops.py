@@ -1,6 +1,6 @@
 """CPU emulations of the torch_npu ops the Ascend backends call, with each chip's quirks ON (soc "310p" =
 Atlas 300I Duo, "910b" = A2/A3): exact int8 numerics (torch.round = round half to even, int32 accumulation
-computed exactly in int64), refusals that name the lesson id (shared/PORTING-LESSONS.md), and rows a kernel
+computed exactly in int64), refusals that name the lesson id (data/porting-lessons.yaml), and rows a kernel
 leaves unwritten filled with garbage. Also the lazy torch_npu / ROCm probes the device modules dispatch on.
 Must not know the model, tensor names or which backend calls it; holds no mutable state.
 """
@@ -16,11 +16,7 @@ import torch
 
 from lib.emulation.invariant_matmul import matmul
 
-try:  # lib/guard/capability.py counts a shim call as one device launch; until it exists the shims are plain functions
-    from lib.guard.capability import device_op
-except ImportError:
-    def device_op(name: str):
-        return lambda f: f
+from lib.guard.capability import device_op  # noqa: F401 (re-exported to the device modules: a shim call is one launch)
 
 F16, BF16, F32, I8, I32, I64 = torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.int32, torch.int64
 INT4 = torch.quint4x2  # marker for "8 int4 values packed per int32" (torch_npu accepts quint4x2 or its int4 = 285)

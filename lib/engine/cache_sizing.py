@@ -9,20 +9,18 @@ from __future__ import annotations
 import torch
 
 from lib.runtime.paged_cache import PagedCache
-from spec.profile import load_profile
-from spec.schedule import drafter
 
 
 def blocks_for(model, seqs: int, length: int) -> int:
     """Tokens-group blocks for `seqs` sequences of `length` positions each."""
-    block = load_profile(model.backend).cache.block_tokens
+    block = model.facts.block_tokens
     return seqs * -(-length // block)
 
 
 def make_store(model, num_blocks: int, max_seqs: int, rings: bool) -> PagedCache:
     store = PagedCache.for_model(model, num_blocks=num_blocks, max_seqs=max_seqs)
     if rings:
-        for layer in drafter(model.cfg):
+        for layer in model.stages:
             store.add_rows(f"draft.{layer.stage}", model.cfg.head_dim, model.state_dtype,
                            horizon=model.cfg.sliding_window)
     return store
@@ -44,10 +42,10 @@ def draft_rings(store: PagedCache, model, seq_id) -> list[torch.Tensor]:
     """Each stage's ring: rows of committed positions [L - W, L), oldest first."""
     length, window = store.length(seq_id), model.cfg.sliding_window
     return [store.read_rows(f"draft.{layer.stage}", seq_id, max(0, length - window), length)
-            for layer in drafter(model.cfg)]
+            for layer in model.stages]
 
 
 def write_draft_rows(store: PagedCache, model, seq_id, start: int, rows: list[torch.Tensor]) -> None:
     """rows[s] [n, head_dim]: stage s's ring rows for positions [start, start + n)."""
-    for layer, values in zip(drafter(model.cfg), rows):
+    for layer, values in zip(model.stages, rows):
         store.write_rows(f"draft.{layer.stage}", seq_id, start, values)

@@ -17,7 +17,6 @@ import torch
 from lib.records.batch import Batch
 from lib.runtime.loaded_model import Model
 from lib.records.decode_state import LayerCache
-from spec.schedule import drafter, drafter_kind
 
 # choose(logits [S, V] fp32, k) -> (ids [S] int64, probs [S, V] fp32 or None at temperature 0)
 Choose = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
@@ -31,7 +30,7 @@ class DraftBlock(NamedTuple):
 
 def check_drafter(model: Model) -> None:
     """A clear refusal for checkpoints whose drafter this engine cannot run."""
-    kind = drafter_kind(model.cfg)
+    kind = model.drafter_kind
     if kind == "none":
         raise ValueError(f"{model.root}: the checkpoint has no drafter (compress_ratios lists only the "
                          f"{model.cfg.num_hidden_layers} backbone layers); use --speculative none")
@@ -59,7 +58,7 @@ def context_rows(model: Model, hidden: torch.Tensor, positions: torch.Tensor) ->
         main_x = mod.draft_context(params, hidden, cfg, model.rope)
         batch = _positions_batch(positions)
         return [mod.ring_entry(lp, main_x, batch, layer, cfg, model.rope).to(model.state_dtype)
-                for layer, lp in zip(drafter(cfg), params.drafter)]
+                for layer, lp in zip(model.stages, params.drafter)]
 
 
 def propose(model: Model, anchors: list[int], starts: list[int], rings: list[list[torch.Tensor]],
@@ -74,7 +73,7 @@ def propose(model: Model, anchors: list[int], starts: list[int], rings: list[lis
     tokens = torch.tensor([t for a in anchors for t in [a] + [noise] * (gamma - 1)], dtype=torch.int64)
     positions = torch.tensor([s + i for s in starts for i in range(gamma)], dtype=torch.int64)
     batch = Batch(tokens, positions, (gamma,) * len(anchors), tuple(starts))
-    stage_caches = [LayerCache([r[stage] for r in rings], None, None) for stage in range(len(drafter(cfg)))]
+    stage_caches = [LayerCache([r[stage] for r in rings], None, None) for stage in range(len(model.stages))]
     with torch.inference_mode():
         base, y = model.module.draft(model.params, batch, stage_caches, cfg, model.rope)
     return _markov(model, base.float().unflatten(0, (len(anchors), gamma)),

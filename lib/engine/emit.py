@@ -12,19 +12,20 @@ from lib.engine.requests import Logprob, Request, RequestOutput
 from lib.engine.sampling import token_logprobs
 
 
-def row_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int | None) -> list[Logprob]:
-    """Logprob records of `tokens` [R] under logits `rows` [R, V] (gathers and top-k only: B20)."""
-    lp = token_logprobs(rows.float(), tokens, top or 0)
+def row_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int | None, scorer=token_logprobs) -> list[Logprob]:
+    """Logprob records of `tokens` [R] under logits `rows` [R, V] (gathers and top-k only: B20).
+    `scorer` is the engine's (conformance passes a field bug through it)."""
+    lp = scorer(rows.float(), tokens, top or 0)
     values, ranks = lp.logprob.tolist(), lp.rank.tolist()
     top_ids, top_lps = lp.top_ids.tolist(), lp.top_logprobs.tolist()
     return [Logprob(int(t), values[i], ranks[i], tuple(zip(top_ids[i], top_lps[i])))
             for i, t in enumerate(tokens.tolist())]
 
 
-def emit(req: Request, tokens: list[int], rows: torch.Tensor) -> RequestOutput:
+def emit(req: Request, tokens: list[int], rows: torch.Tensor, scorer=token_logprobs) -> RequestOutput:
     """Append `tokens` (scored by logits `rows` [len(tokens), V]) until a stop or the length limit."""
     tokens = tokens[: max(req.remaining, 0)]
-    records = row_logprobs(rows[: len(tokens)], torch.tensor(tokens), req.params.logprobs) \
+    records = row_logprobs(rows[: len(tokens)], torch.tensor(tokens), req.params.logprobs, scorer) \
         if req.params.logprobs is not None and tokens else []
     new_tokens, new_logprobs, text = [], [], ""
     for i, token in enumerate(tokens):

@@ -23,10 +23,9 @@ from lib.engine import cache_sizing as engine_cache
 from lib.runtime.paged_step import paged_step
 from lib.engine.requests import Request, RequestOutput
 from lib.runtime.loaded_model import Model
-from lib.engine.sampling import SamplingParams, make_generator, sample, target_probs, verify
+from lib.engine.sampling import SamplingParams, make_generator, sample, target_probs, token_logprobs, verify
 from lib.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from lib.engine.stops import StopChecker
-from spec.schedule import drafter_kind
 
 
 class EngineConfig(NamedTuple):
@@ -37,9 +36,23 @@ class EngineConfig(NamedTuple):
     speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
 
 
+def dspark_drafter(model: Model, requests: list[Request], rings: list[list[torch.Tensor]],
+                   choose) -> dspark.DraftBlock:
+    """The checkpoint's own DSpark drafter: gamma tokens after each request's last sampled token.
+
+    A drafter is any callable of this signature (the engine takes one as an argument): it sees the
+    requests in the order of the draft plan, each stage's ring per request, and `choose`, the
+    requests' own sampling rules, and returns one DraftBlock row per request."""
+    return dspark.propose(model, [r.output[-1] for r in requests], [r.computed for r in requests], rings, choose)
+
+
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), tokenizer=None):
-        self.model, self.config, self.tokenizer = model, config, tokenizer
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), tokenizer=None,
+                 drafter=dspark_drafter, logprob_scorer=token_logprobs):
+        """`drafter`: see dspark_drafter; `logprob_scorer`: sampling.token_logprobs's signature (a
+        fault site: conformance passes field bug B20 through it)."""
+        self.model, self.config, self.tokenizer, self.drafter = model, config, tokenizer, drafter
+        self.logprob_scorer = logprob_scorer
         cfg = model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.speculative = self._speculative_mode(config.speculative)
@@ -57,7 +70,7 @@ class Engine:
     def _speculative_mode(self, mode: str) -> bool:
         if mode not in ("auto", "dspark", "none"):
             raise ValueError(f"speculative mode '{mode}' is not one of auto, dspark, none")
-        if mode == "none" or (mode == "auto" and drafter_kind(self.model.cfg) != "dspark"):
+        if mode == "none" or (mode == "auto" and self.model.drafter_kind != "dspark"):
             return False
         dspark.check_drafter(self.model)
         return True
@@ -138,7 +151,7 @@ class Engine:
         req = s.request
         start = req.computed
         if not req.decoding and req.prompt_logprobs is not None and start < len(req.prompt):
-            _prompt_logprobs(req, logits, start)
+            _prompt_logprobs(req, logits, start, self.logprob_scorer)
         if s.feed < req.pending:                         # a prefill chunk that does not end the prompt
             self._commit(req, start + s.feed, hidden, start)
             return None
@@ -157,7 +170,7 @@ class Engine:
             tokens = [int(row[0].argmax())] if req.params.greedy else \
                 [int(sample(target_probs(row, req.params), req.generator)[0])]
             self._commit(req, start + s.feed, hidden, start)
-        out = emit(req, tokens, logits[: len(tokens)] if s.drafts else logits[-1:])
+        out = emit(req, tokens, logits[: len(tokens)] if s.drafts else logits[-1:], self.logprob_scorer)
         if req.finished:
             self.scheduler.remove(req)
         return out
@@ -187,7 +200,7 @@ class Engine:
                 probs.append(p[0])
             return torch.tensor(ids), torch.stack(probs)
 
-        block = dspark.propose(self.model, [r.output[-1] for r in reqs], [r.computed for r in reqs], rings, choose)
+        block = self.drafter(self.model, reqs, rings, choose)
         return {r.id: _Draft(block.tokens[i, : s.drafts].tolist(), block.probs[i, : s.drafts])
                 for i, (r, s) in enumerate(zip(reqs, plan))}
 
@@ -210,7 +223,7 @@ class _Draft(NamedTuple):
     probs: torch.Tensor        # [drafts, V]
 
 
-def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int) -> None:
+def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int, scorer) -> None:
     """Row j (position start + j) scores prompt token start + j + 1 (B20: gathers, no masks).
     Positions already scored (before a preemption's recompute) are not scored twice."""
     first = max(start, len(req.prompt_logprobs) - 1)
@@ -218,4 +231,5 @@ def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int) -> None:
     if end <= first:
         return
     targets = torch.tensor(req.prompt[first + 1: end + 1])
-    req.prompt_logprobs.extend(row_logprobs(logits[first - start: end - start], targets, req.params.prompt_logprobs))
+    req.prompt_logprobs.extend(row_logprobs(logits[first - start: end - start], targets, req.params.prompt_logprobs,
+                                            scorer))

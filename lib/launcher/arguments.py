@@ -18,7 +18,7 @@ def add_parallel_arguments(s) -> None:
 
 def launch_spec(args, path, engine_config):
     from lib.launcher.ranks import LaunchSpec
-    from spec.profile import load_profile
+    from lib.runtime.loaded_model import backend_facts
 
-    dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
+    dispatch = args.ep_dispatch or backend_facts(args.backend).ep_dispatch
     return LaunchSpec(Path(path), args.backend, args.load_options(args), engine_config, args.tp, args.ep, dispatch)

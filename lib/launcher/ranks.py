@@ -10,7 +10,6 @@ the generated code's collectives line up. A worker that dies is noticed by a mon
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import random
@@ -32,7 +31,6 @@ class LaunchSpec(NamedTuple):
     tp: int = 1
     ep: int = 1
     ep_dispatch: str = "allgather"
-    inject: str | None = None       # a catalogued field bug every rank re-introduces (conformance)
 
 
 def _free_port() -> int:
@@ -60,17 +58,12 @@ def _build(spec: LaunchSpec, rank: int, world: int, init_method: str, progress: 
     from lib.runtime.loaded_model import load_model
     from lib.text.tokenizer import Tokenizer
 
-    from lib.porting.faults import injection
-
     parallel.init_process_group(rank, world, init_method, peers_gone=peers_gone)   # before any weight (L17)
     bind_numa(rank)
-    bug = contextlib.ExitStack()      # the injected bug stays in place until the engine is closed
-    if spec.inject:
-        bug.enter_context(injection(spec.inject, spec.backend))
     par = parallel.live(spec.tp, spec.ep, spec.ep_dispatch)        # this process's rank, read now (B11)
     model = load_model(spec.model_path, backend=spec.backend, progress=progress, options=spec.load_options,
                        parallel=par)
-    return Engine(model, spec.engine_config, tokenizer=Tokenizer.from_dir(spec.model_path)), bug
+    return Engine(model, spec.engine_config, tokenizer=Tokenizer.from_dir(spec.model_path))
 
 
 def _worker(spec: LaunchSpec, rank: int, world: int, init_method: str) -> None:
@@ -79,7 +72,7 @@ def _worker(spec: LaunchSpec, rank: int, world: int, init_method: str) -> None:
     # W ranks share this host's cores: one rank's intra-op pool must not take them all (on a device
     # the host threads only launch kernels)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    engine, _ = _build(spec, rank, world, init_method, progress=False)
+    engine = _build(spec, rank, world, init_method, progress=False)
     follow(engine)
 
 
@@ -165,8 +158,6 @@ class ReplicatedEngine:
 def launch(spec: LaunchSpec, progress: bool = True):
     """The engine for `spec`: a plain Engine in one process, else a ReplicatedEngine over W processes."""
     world = max(spec.tp, spec.ep)
-    if world == 1 and spec.inject:
-        raise ValueError("an injected bug is launched only on TP or EP > 1 (single-process conformance injects it)")
     if world == 1:
         from lib.engine.llm_engine import Engine
         from lib.runtime.loaded_model import load_model
@@ -184,7 +175,7 @@ def launch(spec: LaunchSpec, progress: bool = True):
     for proc in workers:
         proc.start()
     try:
-        engine, bug = _build(spec, 0, world, init_method, progress, peers_gone=lambda: _first_exit(workers))
+        engine = _build(spec, 0, world, init_method, progress, peers_gone=lambda: _first_exit(workers))
     except BaseException:
         import torch.distributed as dist
         for proc in workers:
@@ -194,10 +185,7 @@ def launch(spec: LaunchSpec, progress: bool = True):
         raise
     import torch.distributed as dist
 
-    def on_close():
-        bug.close()
-        dist.destroy_process_group()
-    return ReplicatedEngine(engine, workers, on_close=on_close)
+    return ReplicatedEngine(engine, workers, on_close=dist.destroy_process_group)
 
 
 def watch(engine, on_death: Callable[[str], None], period: float = 0.5) -> threading.Thread | None:

@@ -1,6 +1,6 @@
 """KV cache of a deployment: bytes per token of every cache kind, and the capacity in tokens.
 
-Sizes come from the engine's own paged layout (lib/engine_cache.make_store -> lib/runtime/paged_cache.py) built
+Sizes come from the engine's own paged layout (lib/engine/cache_sizing.py make_store -> lib/runtime/paged_cache.py) built
 at one block, so the planner and the engine cannot disagree on what a position costs. DeepSeek-V4
 has one shared KV head (num_key_value_heads = 1): every TP rank holds its sequences' whole cache,
 so cache bytes are per device, never divided by TP. Knows no weights and no device speed.
@@ -14,7 +14,8 @@ import torch
 from lib.engine.cache_sizing import make_store
 from spec.config import ModelConfig
 from spec.profile import load_profile
-from spec.schedule import backbone
+from lib.runtime.loaded_model import BackendFacts
+from spec.schedule import LayerInfo, backbone, drafter
 
 KINDS = ("window_ring", "csa_entries", "hca_entries", "indexer_keys", "compressor_buffers", "draft_rings")
 HELD = {"window_ring": "the last sliding_window positions", "compressor_buffers": "positions of unfinished windows",
@@ -28,6 +29,17 @@ class CacheModel(NamedTuple):
     backend: str
     cfg: ModelConfig
     state_dtype: torch.dtype
+    facts: BackendFacts
+    layers: tuple[LayerInfo, ...]        # backbone schedule
+    stages: tuple[LayerInfo, ...]        # drafter stages
+
+
+def cache_model(backend: str, cfg: ModelConfig) -> CacheModel:
+    """The planner reads the profile itself (it plans before anything is built or loaded)."""
+    prof = load_profile(backend)
+    dtype = getattr(torch, prof.compute_dtype)           # the model's state dtype (lib/runtime/loaded_model.py)
+    facts = BackendFacts(dtype, prof.cache.block_tokens, prof.cache.logical_block_tokens, prof.ep_dispatch.mode)
+    return CacheModel(backend, cfg, dtype, facts, backbone(cfg), drafter(cfg))
 
 
 class CacheLayout(NamedTuple):
@@ -61,9 +73,9 @@ def _kind(pool: str, attention: dict[int, str]) -> str:
 
 
 def layout(backend: str, cfg: ModelConfig, speculative: bool) -> CacheLayout:
-    dtype = getattr(torch, load_profile(backend).compute_dtype)       # the model's state dtype (lib/runtime/loaded_model.py)
+    model = cache_model(backend, cfg)
     with torch.device("meta"):                                         # shapes only: nothing is allocated
-        store = make_store(CacheModel(backend, cfg, dtype), num_blocks=1, max_seqs=1, rings=speculative)
+        store = make_store(model, num_blocks=1, max_seqs=1, rings=speculative)
     attention = {layer.index: layer.attention for layer in backbone(cfg)}
     ratios = {g.name: g.ratio for g in store.groups}
     per_token = dict.fromkeys(KINDS, 0.0)

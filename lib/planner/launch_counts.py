@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from lib.console.stages import Stages
 from lib.records.batch import make_batch
 from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.runtime.loaded_model import load_model, step
@@ -66,15 +67,20 @@ class LaunchReport(NamedTuple):
     dspark: dict[str, int] | None = None
 
 
-def shrunk_flash(full_depth: bool = False) -> Path:
+def shrunk_flash(full_depth: bool = False, stages: Stages | None = None) -> Path:
     """The shrunken Flash checkpoint (one layer per kind unless `full_depth`), made once into the
-    cache (the official key set of its layers)."""
+    cache (the official key set of its layers); `stages` says whether it is made or reused."""
+    stages = stages or Stages.quiet()
     cfg = variant_config("flash-0731", SHRUNK if full_depth else {**SHRUNK, **REDUCED_DEPTH})
     tag = hashlib.sha256(repr(sorted(cfg.to_json_dict().items())).encode()).hexdigest()[:12]
     path = cache_root() / f"flash-shrunk-{tag}"
+    what = f"the shrunk-width Flash-0731 checkpoint ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)"
     if not (path / "config.json").exists():
         overrides = {k: v for k, v in cfg.to_json_dict().items() if k not in ("architectures", "model_type")}
-        make_tiny(path, overrides=overrides, overwrite=True, shards=8, progress=True)
+        with stages(f"making {what} in {path} (once; cached)"):
+            make_tiny(path, overrides=overrides, overwrite=True, shards=8, progress=True)
+    else:
+        stages.note(f"reusing {what} in {path}")
     return path
 
 

@@ -13,17 +13,19 @@ against the reference's (B17, B20).
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 from typing import NamedTuple
 
 import torch
 
+from lib.console.stages import Stages
 from lib.records.batch import make_batch
-from lib.porting.conformance_engine import DraftReference, draft_checks, drafter_model, engine_checks, reference_draft
-from lib.porting.conformance_ops import op_checks, recording_reference_ops, run_ops, weight_free_ops
+from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
+                                            has_dspark_drafter, reference_draft)
+from codegen.lower import Rewrite
+from lib.porting.conformance_ops import op_checks, run_ops, weight_free_ops
+from lib.porting.rendering import rendered
 from lib.guard.capability import CapabilityGuard, rules_from_profile
-from lib.runtime.paged_cache import PagedCache
+from lib.runtime.paged_cache import PagedCache, PagedSites
 from lib.runtime.paged_step import paged_step
 from lib.weights.params import LoadOptions
 from lib.runtime.loaded_model import Model, load_model, step
@@ -58,28 +60,6 @@ def prompt_ids(n: int, vocab: int, seed: int = 7) -> list[int]:
     return torch.randint(16, vocab, (n,), generator=gen).tolist()   # ordinary tokens, no specials
 
 
-@contextlib.contextmanager
-def _recording(module, tables=("ATTENTION", "FFN")):
-    """Record every call of the generated module's per-kind sub-layer functions."""
-    calls: list[tuple[str, str, tuple, object]] = []
-    saved = {t: dict(getattr(module, t)) for t in tables}
-
-    def wrap(table, kind, fn):
-        def recorder(*args):
-            out = fn(*args)
-            calls.append((table, kind, args, out))
-            return out
-        return recorder
-
-    for t in tables:
-        getattr(module, t).update({k: wrap(t, k, f) for k, f in saved[t].items()})
-    try:
-        yield calls
-    finally:
-        for t in tables:
-            getattr(module, t).update(saved[t])
-
-
 def _to(value, dtype):
     """Reference state/activations -> the device's dtype (compressor buffers stay fp32)."""
     if isinstance(value, torch.Tensor):
@@ -100,17 +80,14 @@ def _token_errors(dev: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(dev).all(dim=-1), err, float("inf"))
 
 
-def _generated(model: Model):
-    return importlib.import_module(f"backends.{model.backend}._generated.model")
-
-
-def _teacher_forced(model: Model, prompt: list[int], tokens: list[int], copies: int = 1) -> list[torch.Tensor]:
+def _teacher_forced(model: Model, prompt: list[int], tokens: list[int], copies: int = 1,
+                    sites: PagedSites = PagedSites()) -> list[torch.Tensor]:
     """Logits [copies, V] after the prompt and after each forced token (the last-row logits), through
     the paged cache with the backend's block geometry: a prefill, then one position per step."""
-    block = load_profile(model.backend).cache.block_tokens
+    block = model.facts.block_tokens
     total = len(prompt) + len(tokens) - 1
     # pools sized to the run, so a slot that strays outside its sequence's blocks fails loudly (B12)
-    store = PagedCache.for_model(model, num_blocks=copies * -(-total // block), max_seqs=copies)
+    store = PagedCache.for_model(model, num_blocks=copies * -(-total // block), max_seqs=copies, sites=sites)
     seqs = list(range(copies))
     for seq in seqs:
         store.add(seq)
@@ -139,18 +116,19 @@ class PagedRun(NamedTuple):
     error: str | None
 
 
-def _paged_run(model: Model, prompt: list[int], tokens: list[int], copies: int = 1) -> PagedRun:
+def _paged_run(model: Model, prompt: list[int], tokens: list[int], copies: int = 1,
+               sites: PagedSites = PagedSites()) -> PagedRun:
     """A paged teacher-forced run; a slot mapping gone wrong can index outside its pool or block table
     (B12, B13), which is a finding of this report, not a crash of it."""
     try:
-        return PagedRun(_teacher_forced(model, prompt, tokens, copies), None)
+        return PagedRun(_teacher_forced(model, prompt, tokens, copies, sites), None)
     except (IndexError, RuntimeError) as err:
         return PagedRun(None, f"{type(err).__name__}: {err}")
 
 
 def _device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Re-run every recorded reference sub-layer call on the device, teacher-forced."""
-    gen, out = _generated(dev), []
+    gen, out = dev.module, []
     for table, kind, args, ref_out in ref_calls:
         layer = args[-3]
         dev_args = (dev.params.layers[layer.index], *(_to(a, dev.state_dtype) for a in args[1:-3]), layer,
@@ -195,27 +173,41 @@ class ReferenceRun(NamedTuple):
 
 
 def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> ReferenceRun:
-    ref = load_model(model_path, "cpu")
-    prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
-    with _recording(_generated(ref)) as calls, recording_reference_ops(weight_free_ops()) as op_calls:
+    """The cpu reference's greedy run, from a rendering of its generated code that records every
+    sub-layer call and every weight-free op call (codegen Rewrite record_*)."""
+    recording = Rewrite(record_ops=tuple(weight_free_ops()), record_dispatch=True)
+    with rendered("cpu", recording, "reference") as code:
+        ref = load_model(model_path, "cpu", code=code)
+        prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
         logits = _reference_greedy(ref, prompt, steps)
-    tokens = [int(torch.argmax(x[-1])) for x in logits]
-    return ReferenceRun(prompt, tokens, logits, calls, op_calls, reference_draft(ref, prompt + tokens))
+        recorded = list(code.model.RECORDED)
+        tokens = [int(torch.argmax(x[-1])) for x in logits]
+        draft = reference_draft(ref, prompt + tokens)
+    calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table != "op"]
+    op_calls = [(op, args, kwargs, out) for table, op, args, kwargs, out in recorded if table == "op"]
+    return ReferenceRun(prompt, tokens, logits, calls, op_calls, draft)
 
 
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
         inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None,
-        stop_on_failure: bool = False) -> Report:
+        stop_on_failure: bool = False, stages: Stages | None = None) -> Report:
     """All conformance checks of `backend`; `reference` may be reused across runs of one model.
     The checks run in stages, cheapest first (ops and sub-layers; the paged run against the dense
     one and the reference's logits; determinism and batch replicas; the engine and the drafter);
     with `stop_on_failure` the report ends after the first stage with a failing check, which is all
-    an injected bug's detection needs."""
+    an injected bug's detection needs. `stages` announces each stage as it runs (the command line's
+    progress on stderr); by default nothing is written."""
     from lib.porting.faults import injection
 
     profile = load_profile(backend)
     budgets = profile.conformance
-    reference = reference or reference_run(model_path, steps, prompt_len)
+    stages = stages or Stages.quiet()
+    if stages.enabled and stages.total is None:    # the device's seven stages, the reference's, the drafter's
+        draft = reference.draft is not None if reference else has_dspark_drafter(model_path)
+        stages.total = 7 + (reference is None) + draft
+    if reference is None:
+        with stages(f"cpu reference ({prompt_len}-token prompt + {steps} greedy steps, calls recorded)"):
+            reference = reference_run(model_path, steps, prompt_len)
     prompt, tokens, ref_logits = reference.prompt, reference.tokens, reference.logits
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
     checks: list[Check] = []
@@ -223,31 +215,38 @@ def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim:
     def done() -> bool:
         return stop_on_failure and not all(c.passed for c in checks)
 
-    with injection(inject, backend):
-        options = LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1)
-        dev = load_model(model_path, backend, options=options)
+    with injection(inject, backend) as fault:
+        options = fault.options(LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1))
+        with stages(f"loading the {backend} model" + (f" (experts {expert_mode})" if expert_mode else "")):
+            dev = load_model(model_path, backend, options=options, code=fault.code)
         with guard:
-            op_results = run_ops(reference.op_calls, profile)
-            results = _device_sublayers(reference.sublayer_calls, dev)
+            with stages(f"op checks ({len(reference.op_calls)} recorded weight-free op calls)"):
+                op_results = run_ops(reference.op_calls, profile)
+            with stages(f"sub-layer checks ({len(reference.sublayer_calls)} recorded attention / MoE calls)"):
+                results = _device_sublayers(reference.sublayer_calls, dev)
         checks += op_checks(op_results, profile, Check)
         checks += _sublayer_checks(results, budgets)
         if done():
             return Report(backend, tuple(checks + [_guard_check(guard)]))
-        with guard:
-            first = _paged_run(dev, prompt, tokens)
-        dense = _dense_teacher_forced(dev, prompt, tokens)
+        with stages(f"paged teacher-forced decode ({len(tokens)} steps, under the guard)"), guard:
+            first = _paged_run(dev, prompt, tokens, sites=fault.paged)
+        with stages(f"dense teacher-forced decode ({len(tokens)} steps)"):
+            dense = _dense_teacher_forced(dev, prompt, tokens)
         checks.append(_guard_check(guard))
         checks.append(_paged_check(first, dense))
         checks += _logit_checks(ref_logits, first.logits or dense, budgets["logits"].budget)
         if done():
             return Report(backend, tuple(checks))
-        checks += _replica_checks(dev, prompt, tokens, first)
+        with stages(f"repeat determinism and 4x batch replicas ({len(tokens)} steps each)"):
+            checks += _replica_checks(dev, prompt, tokens, first, fault.paged)
         if done():
             return Report(backend, tuple(checks))
-        checks += engine_checks(dev, prompt, profile, Check)
+        with stages("engine checks (logprobs under the guard, DSpark vs plain greedy)"):
+            checks += engine_checks(dev, prompt, profile, Check, fault.logprob_scorer)
         if reference.draft is not None:
-            with drafter_model(model_path, backend, profile, dev, options) as (drafting, mode):
-                checks += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
+            with stages(f"draft checks ({len(reference.draft.starts)} DSpark draft blocks, teacher-forced)"):
+                with drafter_model(model_path, backend, profile, dev, options, fault.code) as (drafting, mode):
+                    checks += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
     return Report(backend, tuple(checks))
 
 
@@ -256,13 +255,14 @@ def _guard_check(guard: CapabilityGuard) -> Check:
     return Check("guard violations", str(len(violations)), "0", not violations)
 
 
-def _replica_checks(dev: Model, prompt: list[int], tokens: list[int], first: PagedRun) -> list[Check]:
+def _replica_checks(dev: Model, prompt: list[int], tokens: list[int], first: PagedRun,
+                    sites: PagedSites = PagedSites()) -> list[Check]:
     """The same run twice, and four replicas of the prompt in one batch: bit for bit the same."""
     names = ("repeat determinism", "4x batch replicas")
     if first.error is not None:
         return [Check(name, "not run: paged run failed", "identical", False) for name in names]
-    second = _paged_run(dev, prompt, tokens)
-    batched = _paged_run(dev, prompt, tokens, copies=4)
+    second = _paged_run(dev, prompt, tokens, sites=sites)
+    batched = _paged_run(dev, prompt, tokens, copies=4, sites=sites)
     if any(r.error is not None for r in (second, batched)):
         return [Check(name, "not run: paged run failed", "identical", False) for name in names]
     same = all(torch.equal(a, b) for a, b in zip(first.logits, second.logits))

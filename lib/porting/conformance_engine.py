@@ -31,7 +31,8 @@ from lib.engine.llm_engine import Engine, EngineConfig
 from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.weights.params import LoadOptions
 from lib.runtime.loaded_model import Model, load_model, step
-from lib.engine.sampling import SamplingParams
+from lib.engine.sampling import SamplingParams, token_logprobs
+from spec.config import load_config_json
 from spec.profile import Profile
 from spec.schedule import drafter_kind
 
@@ -65,6 +66,15 @@ def reference_draft(ref: Model, sequence: list[int]) -> DraftReference | None:
     return DraftReference(starts, anchors, hidden, tokens, logits)
 
 
+def has_dspark_drafter(model_path) -> bool:
+    """Whether the checkpoint has a DSpark drafter, from its config.json alone (so conformance can count its
+    stages before loading anything); a config that cannot be read counts as having one: loading reports it."""
+    try:
+        return drafter_kind(load_config_json(Path(model_path) / "config.json")[0]) == "dspark"
+    except (ValueError, OSError):
+        return True
+
+
 def _draft(model: Model, hidden: torch.Tensor, starts: list[int], anchors: list[int], forced):
     """Greedy draft blocks from context features; `forced` [S, gamma] overrides each Markov choice."""
     window = model.cfg.sliding_window
@@ -83,7 +93,7 @@ def _draft(model: Model, hidden: torch.Tensor, starts: list[int], anchors: list[
 
 
 @contextlib.contextmanager
-def drafter_model(model_path, backend: str, profile: Profile, dev: Model, options: LoadOptions):
+def drafter_model(model_path, backend: str, profile: Profile, dev: Model, options: LoadOptions, code=None):
     """(model, expert mode) whose drafter is checked: `dev`, except on a backend with a preconverted
     expert mode when no mode was asked for; then the checkpoint is converted into a scratch folder and
     loaded in that mode, the only one where the target's and the drafter's experts load differently."""
@@ -93,7 +103,7 @@ def drafter_model(model_path, backend: str, profile: Profile, dev: Model, option
     with tempfile.TemporaryDirectory(prefix="dsv4gen-conformance-") as scratch:
         converted = preconvert.convert(model_path, backend, out=Path(scratch) / "converted", ep=options.ep_size)
         mode = options._replace(expert_mode="preconverted", preconverted=str(converted))
-        yield load_model(model_path, backend, options=mode), "preconverted"
+        yield load_model(model_path, backend, options=mode, code=code), "preconverted"
 
 
 def draft_checks(dev: Model, reference: DraftReference, mode: str, budget: float, check_type) -> list:
@@ -125,24 +135,25 @@ class EngineRun(NamedTuple):
     error: str | None
 
 
-def _engine_run(dev: Model, prompts: list[list[int]], speculative: str) -> EngineRun:
+def _engine_run(dev: Model, prompts: list[list[int]], speculative: str, scorer=token_logprobs) -> EngineRun:
     """Greedy generation with logprobs; an engine that breaks is a finding of the report, not a crash of it."""
     params = SamplingParams(max_tokens=ENGINE_TOKENS, logprobs=2, prompt_logprobs=1)
     try:
-        done = Engine(dev, EngineConfig(max_num_seqs=len(prompts), speculative=speculative)).generate(prompts, params)
+        engine = Engine(dev, EngineConfig(max_num_seqs=len(prompts), speculative=speculative), logprob_scorer=scorer)
+        done = engine.generate(prompts, params)
     except (IndexError, RuntimeError, ValueError) as err:
         return EngineRun(None, 0, (0, 0), f"{type(err).__name__}: {err}")
     records = (sum(len(r.logprobs) for r in done), sum(len(r.prompt_logprobs or ()) for r in done))
     return EngineRun([r.output for r in done], sum(sum(r.accepted) for r in done), records, None)
 
 
-def engine_checks(dev: Model, prompt: list[int], profile: Profile, check_type) -> list:
+def engine_checks(dev: Model, prompt: list[int], profile: Profile, check_type, scorer=token_logprobs) -> list:
     """The engine under the guard (host syncs aside), its logprob records, and DSpark == plain greedy."""
     prompts = [prompt, prompt[: len(prompt) // 2]]
     speculative = "dspark" if drafter_kind(dev.cfg) == "dspark" else "none"
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
     with guard:
-        run = _engine_run(dev, prompts, speculative)
+        run = _engine_run(dev, prompts, speculative, scorer)
     bad = [v for v in guard.report().violations if v.kind != "host-sync"]
     first = f" (first: {bad[0].op} at {bad[0].where})" if bad else ""
     checks = [check_type(f"engine ({speculative}) under guard: forbidden / data-dependent / dtype ops",
@@ -153,7 +164,7 @@ def engine_checks(dev: Model, prompt: list[int], profile: Profile, check_type) -
     checks.append(check_type("engine logprob records (tokens, prompt positions)", str(run.logprobs), str(want),
                              run.logprobs == want))
     if speculative == "dspark":
-        plain = _engine_run(dev, prompts, "none")
+        plain = _engine_run(dev, prompts, "none", scorer)
         same = plain.outputs == run.outputs
         value = f"identical ({run.accepted} drafts accepted)" if same else (plain.error or "differs")[:80]
         checks.append(check_type("engine: dspark == plain greedy", value, "identical", same))

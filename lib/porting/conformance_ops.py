@@ -5,8 +5,6 @@ combine or mixing rule shows up even where quantised weights make sub-layers noi
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 
 import torch
 
@@ -28,29 +26,6 @@ def weight_free_ops() -> list[str]:
     with_params = {s.op for p in graph.programs.values() for s in p.steps
                    if s.op and any(v.startswith("p.") for v in s.args.values())}
     return sorted(op for op in graph.ops if op not in with_params)
-
-
-@contextlib.contextmanager
-def recording_reference_ops(ops: list[str]):
-    """Record (op, args, kwargs, output) of every call of these ops' reference implementations."""
-    calls: list[tuple] = []
-    saved = []
-    for op in ops:
-        module_name, _, fn = load_graph().graph.ops[op].reference.partition(":")
-        module = importlib.import_module(module_name)
-        original = getattr(module, fn)
-
-        def recorder(*args, _op=op, _f=original, **kwargs):
-            out = _f(*args, **kwargs)
-            calls.append((_op, args, kwargs, out))
-            return out
-        saved.append((module, fn, original))
-        setattr(module, fn, recorder)
-    try:
-        yield calls
-    finally:
-        for module, fn, original in saved:
-            setattr(module, fn, original)
 
 
 def _cast(value, dtype):

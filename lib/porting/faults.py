@@ -1,151 +1,144 @@
-"""The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced
-into a backend's code path at run time, so conformance can prove it catches each one.
+"""The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
+backend's code path, so conformance can prove it catches each one.
 
-Each entry patches one function the way the field port got it wrong, for the duration of a
-`with injection(id, backend):` block. Conformance loads and runs the device backend inside the
-block and the cpu reference outside it, so only the backend under test is broken.
+Nothing is patched. A bug reaches the backend the way the field port carried it, through one of
+the code's explicit fault sites: the generated code rendered again with the wrong call, argument
+or runtime-format table (codegen Rewrite, into a temporary package the device model is loaded
+from); the loader's LoadFaults (the stored bytes as the port read them, TP slicing, the EP map);
+the paged cache's PagedSites; the engine's logprob scorer. `with injection(bug, backend) as fault`
+yields what to pass where; conformance loads and runs only the device backend with it.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
+import functools
 from typing import Callable, NamedTuple
 
 import torch
 
-
-class Injection(NamedTuple):
-    bug: str                         # lesson id
-    what: str
-    backends: tuple[str, ...]        # backends whose code path has the bug site
-    target: str                      # "module:attribute" replaced while active ({backend} expands)
-    make: Callable                   # original value -> broken value
-    converters: tuple[tuple[str, str], ...] = ()   # extra (runtime format, converter) the broken value needs
-    min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
-
+from codegen.lower import Rewrite
+from lib.engine.sampling import TokenLogprobs, token_logprobs
+from lib.quant import bit_codecs, reference_formats
+from lib.quant.runtime_formats import W8A8, to_w4a8_channel, to_w8a8_group, to_w8a8_row
+from lib.records.expert_placement import expert_placement
+from lib.porting.rendering import rendered
+from lib.runtime.loaded_model import Generated
+from lib.runtime.paged_cache import PagedSites, group_positions
+from lib.weights.params import LoadFaults, LoadOptions
+from lib.weights.tp_slices import part_index
 
 ALL = ("ascend310p", "ascend910", "hip936")
 GMM = ("ascend310p", "ascend910")
 PRECONVERTED = ("ascend310p",)
 
 
-def _planar_unpack(original):
-    def unpack(packed):                      # B01: all low nibbles, then all high nibbles
-        codes = original(packed)
-        return torch.cat((codes[..., 0::2], codes[..., 1::2]), dim=-1)
-    return unpack
+class Injection(NamedTuple):
+    bug: str                         # lesson id
+    what: str
+    backends: tuple[str, ...]        # backends whose code path has the bug site
+    rewrite: Callable[[str], Rewrite] | None = None   # backend -> how its generated code is rendered wrong
+    load: LoadFaults = LoadFaults()
+    paged: PagedSites = PagedSites()
+    logprob_scorer: Callable = token_logprobs
+    min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
 
 
-def _unsigned_e2m1(original):
-    return lambda codes: original(codes & 7)  # B02: sign bit ignored
+class Faulted(NamedTuple):
+    """What a run passes explicitly to put one injected bug in place (the correct code for None)."""
+    injection: Injection | None
+    code: Generated | None           # the device's generated package (None: the checked-in one)
+
+    def options(self, options: LoadOptions) -> LoadOptions:
+        return options if self.injection is None else options._replace(faults=self.injection.load)
+
+    @property
+    def paged(self) -> PagedSites:
+        return PagedSites() if self.injection is None else self.injection.paged
+
+    @property
+    def logprob_scorer(self) -> Callable:
+        return token_logprobs if self.injection is None else self.injection.logprob_scorer
 
 
-def _inverted_requant(original):
-    def quantize_rows(w, qmax=127):          # B03: multiply by the scale instead of dividing
-        amax = w.abs().amax(dim=-1)
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        q = torch.round(w * scale.unsqueeze(-1)).clamp(-qmax, qmax).to(torch.int8)
-        return original.__globals__["W8A8"](q, scale.float())
-    return quantize_rows
+# ---- load-time sites: the stored bytes as the port read them --------------------------------------
+def _nibbles(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = packed.view(torch.uint8)
+    return b & 0xF, b >> 4
 
 
-def _value_converted_e8m0(original):
-    def decode(bits):                        # B04: the byte value itself converted to E8M0 (rounds to 2^7)
-        b = bits.view(torch.uint8).float().clamp_min(1)
-        return torch.exp2(torch.round(torch.log2(b)))
-    return decode
+def planar_nibbles(logical, parts: dict) -> dict:
+    """B01: MXFP4 unpacked as all low nibbles, then all high nibbles. The bytes are rearranged so the
+    correct unpack yields exactly the codes the planar unpack gave: row codes [low..., high...]."""
+    if logical.format != "mxfp4":
+        return parts
+    low, high = _nibbles(parts["weight"])
+    codes = torch.cat((low, high), dim=-1)                         # [..., K]: what the port decoded
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return {**parts, "weight": packed.to(torch.uint8).view(torch.int8)}
 
 
-def _unsliced_tp_scales(original):
+def unsigned_e2m1(logical, parts: dict) -> dict:
+    """B02: the FP4 sign bit ignored (every code read as code & 7)."""
+    if logical.format != "mxfp4":
+        return parts
+    return {**parts, "weight": (parts["weight"].view(torch.uint8) & 0x77).view(torch.int8)}
+
+
+def value_converted_e8m0(logical, parts: dict) -> dict:
+    """B04: E8M0 scale bytes value-converted on copy: byte b became the E8M0 nearest to the number b
+    (2^round(log2 b)), so every block scale is between 1 and 256."""
+    if "scale" not in parts:
+        return parts
+    bits = bit_codecs.as_bits(parts["scale"]).float().clamp_min(1)
+    converted = (127 + torch.round(torch.log2(bits))).to(torch.uint8)
+    return {**parts, "scale": converted.view(parts["scale"].dtype)}
+
+
+def unsliced_tp_scales(logical, cfg, tp_size, tp_rank):
     """B05: the weight of a row-parallel linear (tp: cols, wo_b) is sliced for TP but its scale is not.
     The field's full scale (32, 64) met a rank's (32, 8) buffer and tripped a load assert; the silent
     form of the same bug copies the full scale into that buffer from its start, so every rank gets
     rank 0's scale blocks. That form loads on every backend and is wrong only in the numbers."""
-    def part_index(logical, cfg, tp_size, tp_rank):
-        index = original(logical, cfg, tp_size, tp_rank)
-        if index is None or logical.entry.tp != "cols" or "scale" not in index:
-            return index
-        scale = index["scale"]
-        return {**index, "scale": scale._replace(start=0, stop=scale.stop - scale.start)}
-    return part_index
+    index = part_index(logical, cfg, tp_size, tp_rank)
+    if index is None or logical.entry.tp != "cols" or "scale" not in index:
+        return index
+    scale = index["scale"]
+    return {**index, "scale": scale._replace(start=0, stop=scale.stop - scale.start)}
 
 
-def _uninitialised_head(original):
-    """B06: the loader treats the BF16 head as FP8 and multiplies it by a scale that was never
-    loaded (whatever memory held): route class `head` to a converter that does exactly that."""
-    formats = dict(original)
-    formats["head"] = "__b06_fp8_head__"
-    return formats
+def rank0_placement(n_experts, ep_size=1, rank=0, simulate=False):
+    """B11: every EP rank uses rank 0's expert map."""
+    p = expert_placement(n_experts, ep_size, rank, simulate)
+    return p._replace(local_of=p.local_of[:1].expand_as(p.local_of).contiguous())
+
+
+def inverted_quantize_rows(w, qmax=127):
+    """B03: the requantisation multiplies by the scale instead of dividing."""
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    q = torch.round(w * scale.unsqueeze(-1)).clamp(-qmax, qmax).to(torch.int8)
+    return W8A8(q, scale.float())
+
+
+inverted_to_w8a8_row = functools.partial(to_w8a8_row, quantize=inverted_quantize_rows)
+inverted_to_w8a8_group = functools.partial(to_w8a8_group, quantize=inverted_quantize_rows)
+inverted_to_w4a8_channel = functools.partial(to_w4a8_channel, quantize=inverted_quantize_rows)
 
 
 def b06_fp8_head(storage, parts, cfg):
-    from lib.quant import reference_formats as formats
-    value = formats.decode(storage, parts, cfg).float()
+    """B06: the loader treats the BF16 head as FP8 and multiplies it by a scale that was never
+    loaded (whatever memory held)."""
+    value = reference_formats.decode(storage, parts, cfg).float()
     gen = torch.Generator().manual_seed(6)
     garbage = torch.exp2(torch.randint(-20, 20, (value.shape[0], 1), generator=gen).float())
     return value * garbage
 
 
-def _gate_topk_routing(original):
-    def route_hash(x, gate, tid2eid, tokens, route_scale):   # B07: hash layers routed by gate top-k
-        from backends.common import moe
-        scores = moe._scores(x, gate)
-        ids = torch.topk(scores, tid2eid.shape[1], dim=-1).indices.to(torch.int32)
-        return moe._weights(scores, ids, route_scale), ids
-    return route_hash
-
-
-def _unclipped_swiglu(original):
-    return lambda gate, up, limit: torch.nn.functional.silu(gate.float()) * up.float()   # B08
-
-
-def _shared_over_scale(original):
-    return lambda a, b: a + b.to(a.dtype) / 1.5      # B09: routed + shared / 1.5
-
-
-def _keep_tail_rows(original):
-    return lambda group_list, rows: torch.ones(rows, 1, dtype=torch.bool)   # B10: tail rows not zeroed
-
-
-def _rank0_map(original):
-    def placement(n_experts, ep_size=1, rank=0, simulate=False):            # B11: rank 0's map everywhere
-        p = original(n_experts, ep_size, rank, simulate)
-        return p._replace(local_of=p.local_of[:1].expand_as(p.local_of).contiguous())
-    return placement
-
-
-def _logical_as_physical(original):
-    def physical_slots(table, q, block_tokens, logical_block_tokens):   # B12: logical id = physical block
-        logical = table.index_select(0, (q // logical_block_tokens).to(torch.int32)).to(torch.int64)
-        return logical * block_tokens + q % block_tokens
-    return physical_slots
-
-
-def _raw_token_positions(original):
-    def group_positions(group, start, end):          # B13: entries slotted by the token that emitted them
-        if group.ratio == 0:
-            return original(group, start, end)
-        return (torch.arange(start // group.ratio, end // group.ratio) + 1) * group.ratio - 1
-    return group_positions
-
-
-def _last_group(original):
-    return lambda metas, ratio: metas[-1]              # B14: the last group's metadata for every layer
-
-
-def _preconverted_means_converted(original):
-    """B17: a global flag decides the format: in expert mode `preconverted` every routed expert not
-    served from the converted shards (the drafter's) is taken as already in the runtime format."""
-    return {**original, "preconverted": "__b17_taken_as_converted__"}
-
-
 def b17_taken_as_converted(storage, parts, cfg):
-    """The drafter's stored MXFP4 expert used as the W8A8 record it was assumed to be: buffers of the
+    """B17: the drafter's stored MXFP4 expert used as the W8A8 record it was assumed to be: buffers of the
     runtime shapes filled with the stored bytes as they are (packed FP4 codes as int8 weights, the E8M0
     exponent bytes read on as float32 row scales, ~1e35 each: expert outputs overflow, the field's NaN)."""
-    from lib.quant.bit_codecs import as_bits
-    from lib.quant.runtime_formats import W8A8
-    weight, scale = parts["weight"], as_bits(parts["scale"])
+    weight, scale = parts["weight"], bit_codecs.as_bits(parts["scale"])
     rows, cols = weight.shape[0], weight.shape[1] * 2
     qweight = torch.zeros(rows, cols, dtype=torch.int8)
     qweight.view(-1)[: weight.numel()] = weight.reshape(-1).view(torch.int8)
@@ -153,77 +146,122 @@ def b17_taken_as_converted(storage, parts, cfg):
     return W8A8(qweight, raw[: 4 * rows].clone().view(torch.float32))
 
 
-def _mask_indexed_logprobs(original):
-    def token_logprobs(logits, token_ids, top):   # B20: the chosen token's logprob picked out by a mask
-        from lib.engine.sampling import TokenLogprobs
-        logp = torch.log_softmax(logits.float(), -1)
-        hit = torch.arange(logp.shape[-1], device=logp.device) == token_ids.long().unsqueeze(-1)   # [R, V]
-        chosen = logp[hit]                                                  # nonzero on the device (L12)
-        top_logprobs, top_ids = logp.topk(top, dim=-1)
-        return TokenLogprobs(chosen, (logp > chosen.unsqueeze(-1)).sum(-1) + 1, top_ids, top_logprobs)
-    return token_logprobs
+# ---- forward sites: calls the generated code makes ------------------------------------------------
+def gate_topk_route_hash(x, gate, tid2eid, tokens, route_scale):
+    """B07: hash layers routed by the gate's top-k instead of tid2eid."""
+    from backends.common import moe
 
+    scores = moe._scores(x, gate)
+    ids = torch.topk(scores, tid2eid.shape[1], dim=-1).indices.to(torch.int32)
+    return moe._weights(scores, ids, route_scale), ids
+
+
+def shared_over_scale_add(a, b):
+    """B09: routed + shared / 1.5."""
+    return a + b.to(a.dtype) / 1.5
+
+
+# ---- paged-cache and engine sites -----------------------------------------------------------------
+def logical_as_physical(table, q, block_tokens, logical_block_tokens):
+    """B12: the logical block id used as the physical block id."""
+    logical = table.index_select(0, (q // logical_block_tokens).to(torch.int32)).to(torch.int64)
+    return logical * block_tokens + q % block_tokens
+
+
+def raw_token_positions(group, start, end):
+    """B13: compressed entries slotted by the position of the token that emitted them."""
+    if group.ratio == 0:
+        return group_positions(group, start, end)
+    return (torch.arange(start // group.ratio, end // group.ratio) + 1) * group.ratio - 1
+
+
+def last_group(metas, ratio):
+    """B14: every layer reads the last cache group's metadata."""
+    return metas[-1]
+
+
+def mask_indexed_logprobs(logits, token_ids, top):
+    """B20: the chosen token's logprob picked out by a boolean mask (nonzero on the device, L12)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    hit = torch.arange(logp.shape[-1], device=logp.device) == token_ids.long().unsqueeze(-1)   # [R, V]
+    chosen = logp[hit]
+    top_logprobs, top_ids = logp.topk(top, dim=-1)
+    return TokenLogprobs(chosen, (logp > chosen.unsqueeze(-1)).sum(-1) + 1, top_ids, top_logprobs)
+
+
+def _rewrite(**fields) -> Callable[[str], Rewrite]:
+    return lambda backend: Rewrite(**fields)
+
+
+def _inverted_requant(backend: str) -> Rewrite:
+    # load-time requantisation everywhere; at run time where routed experts are requantised per step
+    converters = {"w8a8_row": "lib.porting.faults:inverted_to_w8a8_row",
+                  "w8a8_group": "lib.porting.faults:inverted_to_w8a8_group",
+                  "w4a8_channel": "lib.porting.faults:inverted_to_w4a8_channel"}
+    runtime = {"routed_experts": {"quantize": "lib.porting.faults:inverted_quantize_rows"}}
+    return Rewrite(converters=converters, kwargs=runtime if backend in ("ascend310p", "hip936") else {})
+
+
+UNCLIPPED = {"limit": "float('inf')"}
 
 CATALOGUE: dict[str, Injection] = {
     "B01": Injection("B01", "MXFP4 unpacked as all low nibbles then all high nibbles", ALL,
-                     "lib.quant.bit_codecs:unpack_e2m1", _planar_unpack),
-    "B02": Injection("B02", "FP4 sign bit ignored", ALL, "lib.quant.bit_codecs:_e2m1_value", _unsigned_e2m1),
-    "B03": Injection("B03", "requantisation scale inverted", ALL, "lib.quant.runtime_formats:quantize_rows", _inverted_requant),
-    "B04": Injection("B04", "E8M0 scale bytes value-converted on copy", ALL, "lib.quant.bit_codecs:e8m0_decode",
-                     _value_converted_e8m0),
+                     load=LoadFaults(stored_parts=planar_nibbles)),
+    "B02": Injection("B02", "FP4 sign bit ignored", ALL, load=LoadFaults(stored_parts=unsigned_e2m1)),
+    "B03": Injection("B03", "requantisation scale inverted", ALL, rewrite=_inverted_requant),
+    "B04": Injection("B04", "E8M0 scale bytes value-converted on copy", ALL,
+                     load=LoadFaults(stored_parts=value_converted_e8m0)),
     # TP slicing is shared loader code: every backend that decodes an FP8 scale reads it
     "B05": Injection("B05", "scales of row-parallel linears not sliced for TP (rank 0's scales on every rank)",
-                     ALL + ("cpu",), "lib.weights.tp_slices:part_index", _unsliced_tp_scales, min_tp=2),
+                     ALL + ("cpu",), load=LoadFaults(part_index=unsliced_tp_scales), min_tp=2),
     "B06": Injection("B06", "LM head treated as FP8 with an uninitialised scale", ALL,
-                     "backends.{backend}._generated.loader:RUNTIME_FORMATS", _uninitialised_head,
-                     (("__b06_fp8_head__", "lib.porting.faults:b06_fp8_head"),)),
+                     rewrite=_rewrite(runtime_formats={"head": "__b06_fp8_head__"},
+                                      converters={"__b06_fp8_head__": "lib.porting.faults:b06_fp8_head"})),
     "B07": Injection("B07", "hash routing dropped: gate top-k in the hash layers", ALL,
-                     "backends.common.moe:route_hash", _gate_topk_routing),
-    "B08": Injection("B08", "swiglu_limit not applied", ALL, "backends.common.moe:clipped_swiglu",
-                     _unclipped_swiglu),
-    "B09": Injection("B09", "shared expert combined as routed + shared / 1.5", ALL, "backends.common.dense:add",
-                     _shared_over_scale),
-    "B10": Injection("B10", "grouped-matmul tail rows not zeroed", GMM, "backends.common.moe:valid_rows",
-                     _keep_tail_rows),
-    "B11": Injection("B11", "every EP rank uses rank 0's expert map", ALL, "lib.records.expert_placement:expert_placement",
-                     _rank0_map),
+                     rewrite=_rewrite(calls={"route_hash": "lib.porting.faults:gate_topk_route_hash"})),
+    "B08": Injection("B08", "swiglu_limit not applied", ALL,
+                     rewrite=_rewrite(kwargs={"routed_experts": UNCLIPPED, "swiglu_mlp": UNCLIPPED})),
+    "B09": Injection("B09", "shared expert combined as routed + shared / 1.5", ALL,
+                     rewrite=_rewrite(calls={"add": "lib.porting.faults:shared_over_scale_add"})),
+    "B10": Injection("B10", "grouped-matmul tail rows not zeroed", GMM,
+                     rewrite=_rewrite(kwargs={"routed_experts": {"zero_tail": "False"}})),
+    "B11": Injection("B11", "every EP rank uses rank 0's expert map", ALL,
+                     load=LoadFaults(expert_placement=rank0_placement)),
     # paged decode state: only 310P's hybrid geometry (L19) makes logical and physical ids differ
     "B12": Injection("B12", "logical block id used as physical block id", ("ascend310p",),
-                     "backends.common.paging:physical_slots", _logical_as_physical),
-    "B13": Injection("B13", "compressed groups slotted by raw token positions", ALL, "lib.runtime.paged_cache:group_positions",
-                     _raw_token_positions),
-    "B14": Injection("B14", "every layer reads the last cache group's metadata", ALL, "lib.runtime.paged_cache:group_of",
-                     _last_group),
+                     paged=PagedSites(physical_slots=logical_as_physical)),
+    "B13": Injection("B13", "compressed groups slotted by raw token positions", ALL,
+                     paged=PagedSites(group_positions=raw_token_positions)),
+    "B14": Injection("B14", "every layer reads the last cache group's metadata", ALL,
+                     paged=PagedSites(group_of=last_group)),
     # drafter: only backends with a preconverted expert mode (profile expert_modes) have the flag
-    "B17": Injection("B17", "drafter experts taken as already converted in expert mode preconverted",
-                     PRECONVERTED, "backends.{backend}._generated.loader:EXPERT_MODES", _preconverted_means_converted,
-                     (("__b17_taken_as_converted__", "lib.porting.faults:b17_taken_as_converted"),)),
+    "B17": Injection("B17", "drafter experts taken as already converted in expert mode preconverted", PRECONVERTED,
+                     rewrite=_rewrite(expert_modes={"preconverted": "__b17_taken_as_converted__"},
+                                      converters={"__b17_taken_as_converted__":
+                                                  "lib.porting.faults:b17_taken_as_converted"})),
     # the engine's logprob assembly is shared by every backend; the guard refuses mask indexing on all
-    "B20": Injection("B20", "logprobs assembled with boolean-mask indexing", ALL,
-                     "lib.engine.emit:token_logprobs", _mask_indexed_logprobs),
+    "B20": Injection("B20", "logprobs assembled with boolean-mask indexing", ALL, logprob_scorer=mask_indexed_logprobs),
 }
 
-
-@contextlib.contextmanager
-def injection(bug: str | None, backend: str):
-    """Patch the bug into place for `backend` (no-op for None); restores on exit."""
-    if bug is None:
-        yield None
-        return
+def check(bug: str, backend: str) -> Injection:
     if bug not in CATALOGUE:
         raise ValueError(f"unknown injection '{bug}' (accepted: {', '.join(CATALOGUE)})")
     inj = CATALOGUE[bug]
     if backend not in inj.backends:
         raise ValueError(f"{bug} has no bug site on backend {backend} (it applies to {', '.join(inj.backends)})")
-    module_name, _, attr = inj.target.format(backend=backend).partition(":")
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr)
-    setattr(module, attr, inj.make(original))
-    converters = getattr(module, "CONVERTERS", {})
-    converters.update(inj.converters)
-    try:
-        yield inj
-    finally:
-        setattr(module, attr, original)
-        for fmt, _ in inj.converters:
-            converters.pop(fmt, None)
+    return inj
+
+
+@contextlib.contextmanager
+def injection(bug: str | None, backend: str):
+    """Yield the Faulted record that puts `bug` in place on `backend` (the correct code for None);
+    a rendered package lives in a temporary folder for the duration of the block."""
+    if bug is None:
+        yield Faulted(None, None)
+        return
+    inj = check(bug, backend)
+    if inj.rewrite is None:
+        yield Faulted(inj, None)
+        return
+    with rendered(backend, inj.rewrite(backend), bug) as code:
+        yield Faulted(inj, code)

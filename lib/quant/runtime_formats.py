@@ -40,11 +40,12 @@ def quantize_rows(w: torch.Tensor, qmax: int = 127) -> W8A8:
     return W8A8(q, scale.float())
 
 
-def packed_fp4_to_w8a8(p: PackedFP4) -> W8A8:
-    """Decode stacked MXFP4 [..., N, K/2] and requantise to W8A8 rows (the 310P streaming path)."""
+def packed_fp4_to_w8a8(p: PackedFP4, quantize=quantize_rows) -> W8A8:
+    """Decode stacked MXFP4 [..., N, K/2] and requantise to W8A8 rows (the 310P streaming path).
+    `quantize` (like every requantising converter's) is a fault site conformance passes a field bug to."""
     lead, half = p.weight.shape[:-1], p.weight.shape[-1]
     w = codecs.dequant_fp4_expert(p.weight.reshape(-1, half), p.scale.reshape(-1, p.scale.shape[-1]))
-    return quantize_rows(w.reshape(*lead, half * 2))
+    return quantize(w.reshape(*lead, half * 2))
 
 
 def _checked_f16(x: torch.Tensor) -> torch.Tensor:
@@ -67,18 +68,18 @@ def to_index_i32(storage: str, parts: dict, cfg: ModelConfig) -> torch.Tensor:
     return formats.decode(storage, parts, cfg).to(torch.int32).contiguous()
 
 
-def to_w8a8_row(storage: str, parts: dict, cfg: ModelConfig) -> W8A8:
+def to_w8a8_row(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize_rows) -> W8A8:
     """FP8 block or MXFP4 -> exact fp32 -> int8 per output row (L01: no FP8/FP4 execution)."""
-    return quantize_rows(formats.decode(storage, parts, cfg).float())
+    return quantize(formats.decode(storage, parts, cfg).float())
 
 
-def to_w8a8_group(storage: str, parts: dict, cfg: ModelConfig) -> W8A8:
+def to_w8a8_group(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize_rows) -> W8A8:
     """wo_b [d, G*R] -> int8 [G, d, R] with one scale per (group, output row) [G, d], R = o_lora_rank.
     A TP rank holds whole groups, so its scales are the ones one process computes for those groups:
     per-row scales over a rank's columns would change the int8 weights with the TP size."""
     w = formats.decode(storage, parts, cfg).float()
     groups = w.shape[1] // cfg.o_lora_rank
-    q = quantize_rows(w.reshape(w.shape[0], groups, -1).transpose(0, 1))
+    q = quantize(w.reshape(w.shape[0], groups, -1).transpose(0, 1))
     return W8A8(q.qweight.contiguous(), q.scale.contiguous())
 
 
@@ -95,12 +96,12 @@ class W4A8(NamedTuple):
     scale: torch.Tensor     # [..., N] float32
 
 
-def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig) -> W4A8:
+def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize_rows) -> W4A8:
     """Any storage -> exact fp32 [N, K] -> int4 per output channel (scale amax/7), packed [K, N/8]."""
     from lib.emulation.npu_ops import pack_int4
 
     w = formats.decode(storage, parts, cfg).float()
-    q = quantize_rows(w, qmax=7)
+    q = quantize(w, qmax=7)
     return W4A8(pack_int4(q.qweight.transpose(-1, -2).contiguous()), q.scale)
 
 

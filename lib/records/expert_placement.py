@@ -54,7 +54,8 @@ def local_ids(ids: torch.Tensor, local_of: torch.Tensor) -> torch.Tensor:
 def placement_for_block(cfg, layer, options) -> ExpertPlacement:
     """tensors.yaml `derived` builder: the placement of this process's EP rank. Under real EP the
     options carry the rank read from the live process group at load time (lib.distributed.process_group.live, B11)."""
-    placement = expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
+    place = options.faults.expert_placement or expert_placement      # a re-introduced field bug (conformance)
+    placement = place(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
     return placement._replace(group=options.ep_group, dispatch=options.ep_dispatch)
 
 

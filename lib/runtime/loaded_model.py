@@ -8,7 +8,10 @@ elsewhere; this module must not know about requests.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -20,34 +23,101 @@ from lib.weights.params import LoadOptions
 from lib.runtime.rope_tables import rope_tables
 from lib.records.decode_state import LayerCache, SeqCache, empty_compressor
 from spec.config import ModelConfig, RankConfig
-from spec.profile import load_profile
-from spec.schedule import backbone
+from spec.schedule import LayerInfo, drafter_kind
+
+
+class BackendFacts(NamedTuple):
+    """What the run path needs of a backend's profile, rendered into its generated package by
+    `dsv4gen build` (backends/<name>/_generated/__init__.py): nothing at run time reads YAML."""
+    compute_dtype: torch.dtype       # activations, KV windows and compressed entries
+    block_tokens: int                # positions per physical block of the paged decode state
+    logical_block_tokens: int        # positions per block-table entry the attention kernel reads (L19)
+    ep_dispatch: str                 # default EP token exchange: "allgather" | "alltoall"
 
 
 class Model(NamedTuple):
     backend: str
     cfg: RankConfig                  # the model's config plus this rank's place in TP / EP
-    params: Any                      # lib.weights.params.Params
+    params: Any                      # lib.weights.params.Params (with the layer schedule)
     rope: dict[str, torch.Tensor]    # RoPE frequency tables by name
     forward: Any                     # the backend's generated `forward`
     root: Path
-    state_dtype: torch.dtype         # dtype of KV windows and compressed entries (the compute dtype)
+    facts: BackendFacts
+    drafter_kind: str                # "dspark" | "mtp" | "none", from the checkpoint's schedule
     module: Any = None               # the backend's generated model module (drafter programs live there)
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.facts.compute_dtype
+
+    @property
+    def layers(self) -> tuple[LayerInfo, ...]:
+        """The backbone schedule, derived once at load."""
+        return self.params.backbone_layers
+
+    @property
+    def stages(self) -> tuple[LayerInfo, ...]:
+        """The drafter stages' schedule (empty without a drafter)."""
+        return self.params.drafter_layers
+
     def new_cache(self) -> SeqCache:
-        return new_cache(self.cfg, self.state_dtype)
+        return new_cache(self.layers, self.cfg, self.state_dtype)
 
 
-def backend_module(backend: str, name: str):
-    load_profile(backend)            # a clear error for an unknown backend name
-    return importlib.import_module(f"backends.{backend}._generated.{name}")
+class Generated(NamedTuple):
+    """A backend's generated package: the checked-in one, or a temporary rendering (conformance's
+    injected field bugs, codegen.build.render_into)."""
+    package: ModuleType              # the profile facts (COMPUTE_DTYPE, CACHE_*, EP_DISPATCH)
+    model: ModuleType                # forward and the drafter programs
+    loader: ModuleType               # load(ckpt, progress, options) -> Params
+
+    @property
+    def facts(self) -> BackendFacts:
+        p = self.package
+        return BackendFacts(getattr(torch, p.COMPUTE_DTYPE), p.CACHE_BLOCK_TOKENS, p.CACHE_LOGICAL_BLOCK_TOKENS,
+                            p.EP_DISPATCH)
+
+
+def generated(backend: str) -> Generated:
+    """The backend's checked-in generated package; a clear error for an unknown backend."""
+    package = f"backends.{backend}._generated"
+    try:
+        return Generated(*(importlib.import_module(m) for m in (package, f"{package}.model", f"{package}.loader")))
+    except ModuleNotFoundError as err:
+        if err.name not in (f"backends.{backend}", package):
+            raise
+        from spec.profile import backend_names
+
+        raise ValueError(f"unknown backend '{backend}' (accepted: {', '.join(backend_names())})") from None
+
+
+def generated_from(folder: Path, name: str) -> Generated:
+    """Import a rendered folder (codegen.build.render_into) as the package `name`: its modules import
+    only absolute names, so each file loads on its own."""
+    def load(module_name: str, path: Path) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module          # importable by name (pickling, tracebacks)
+        spec.loader.exec_module(module)
+        return module
+    folder = Path(folder)
+    return Generated(load(name, folder / "__init__.py"), load(f"{name}.model", folder / "model.py"),
+                     load(f"{name}.loader", folder / "loader.py"))
+
+
+def backend_facts(backend: str) -> BackendFacts:
+    return generated(backend).facts
 
 
 def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
-               options: LoadOptions = LoadOptions(), parallel: Parallel = SINGLE) -> Model:
+               options: LoadOptions = LoadOptions(), parallel: Parallel = SINGLE,
+               code: Generated | None = None) -> Model:
     """Load for one rank: `parallel` (from lib.distributed.process_group.live, after the process group exists: L17)
-    decides which slice of every TP-split tensor and which routed experts this process reads."""
+    decides which slice of every TP-split tensor and which routed experts this process reads. `code`:
+    the backend's generated package to run (default: the checked-in one)."""
     options = options._replace(backend=backend)
+    code = code or generated(backend)
+    facts = code.facts
     ckpt = Checkpoint(path)
     if parallel.world > 1:
         check_sizes(ckpt.config, parallel.tp_size, parallel.ep_size)
@@ -56,17 +126,16 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
                                    ep_dispatch=parallel.ep_dispatch)
     cfg = RankConfig.of(ckpt.config, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
                         ep_rank=parallel.ep_rank, tp_group=parallel.tp_group, ep_group=parallel.ep_group)
-    params = backend_module(backend, "loader").load(ckpt, progress=progress, options=options)
-    module = backend_module(backend, "model")
-    dtype = getattr(torch, load_profile(backend).compute_dtype)
-    return Model(backend, cfg, params, rope_tables(ckpt.config), module.forward, Path(path), dtype, module)
+    params = code.loader.load(ckpt, progress=progress, options=options)
+    return Model(backend, cfg, params, rope_tables(ckpt.config), code.model.forward, Path(path), facts,
+                 drafter_kind(ckpt.config), code.model)
 
 
-def new_cache(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:
-    """The state of a sequence with no tokens yet; windows and entries in `dtype`, compressor
-    buffers in fp32 (they feed a softmax)."""
+def new_cache(schedule: tuple[LayerInfo, ...], cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:
+    """The state of a sequence with no tokens yet (one record per backbone layer of `schedule`);
+    windows and entries in `dtype`, compressor buffers in fp32 (they feed a softmax)."""
     layers = []
-    for layer in backbone(cfg):
+    for layer in schedule:
         window = torch.zeros(0, cfg.head_dim, dtype=dtype)
         comp = index = None
         if layer.attention == "csa":

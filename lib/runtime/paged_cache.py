@@ -10,15 +10,13 @@ comes from the backend profile. Knows no scheduler and no request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 import backends.common.paging as paging
 from lib.runtime.loaded_model import new_cache
 from lib.records.decode_state import CompressorState, LayerCache, SeqCache
-from spec.profile import CacheGeometry, load_profile
-from spec.schedule import backbone
 
 
 class CacheFull(RuntimeError):
@@ -67,6 +65,14 @@ def group_of(metas: Sequence[GroupMeta], ratio: int) -> GroupMeta:
     raise ValueError(f"no cache group of ratio {ratio} (groups: {', '.join(m.group.name for m in metas)})")
 
 
+class PagedSites(NamedTuple):
+    """The paged cache's address arithmetic, passed in explicitly (a cache is built with the correct
+    functions; conformance passes field bugs B12-B14 through here)."""
+    physical_slots: Callable = paging.physical_slots    # block table -> physical rows (L19)
+    group_positions: Callable = group_positions         # positions -> slots within a group
+    group_of: Callable = group_of                       # a layer's cache group metadata
+
+
 @dataclass
 class _Seq:
     tables: dict[str, list[int]]    # group -> logical block ids (-1: released)
@@ -86,22 +92,22 @@ class PagedCache:
     `ensure` then raises CacheFull like for any other group.
     """
 
-    def __init__(self, model_or_cfg, geometry: CacheGeometry, num_blocks: int, *, max_seqs: int,
-                 state_dtype: torch.dtype | None = None):
-        self.cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
-        self.state_dtype = state_dtype or getattr(model_or_cfg, "state_dtype", torch.float32)
+    def __init__(self, model, geometry, num_blocks: int, *, max_seqs: int, sites: PagedSites = PagedSites()):
+        """`model`: a loaded model or anything with its `cfg`, `state_dtype` and backbone `layers`;
+        `geometry`: `block_tokens` and `logical_block_tokens` (the model's `facts`)."""
+        self.cfg, self.state_dtype, self.layers, self.sites = model.cfg, model.state_dtype, model.layers, sites
         self.geometry, self.max_seqs = geometry, max_seqs
         self.block_tokens, self.logical_block_tokens = geometry.block_tokens, geometry.logical_block_tokens
         self.factor = self.block_tokens // self.logical_block_tokens
-        ratios = sorted({layer.ratio for layer in backbone(self.cfg) if layer.ratio})
+        ratios = sorted({layer.ratio for layer in self.layers if layer.ratio})
         self.groups = [Group("tokens", 0, num_blocks)] + [
             Group(f"c{m}", m, -(-num_blocks // m) + max_seqs) for m in ratios]
         self._alloc = {g.name: paging.BlockAllocator(g.num_blocks) for g in self.groups}
         self._pools: dict[str, Pool] = {}
         self._seqs: dict[object, _Seq] = {}
-        self._empty = new_cache(self.cfg, self.state_dtype)     # shapes and dtypes of the dense path
+        self._empty = new_cache(self.layers, self.cfg, self.state_dtype)     # shapes and dtypes of the dense path
         window = self.cfg.sliding_window
-        for layer, empty in zip(backbone(self.cfg), self._empty.layers):
+        for layer, empty in zip(self.layers, self._empty.layers):
             self._add(f"layer{layer.index}.kv", "tokens", empty.window, window)
             for name, st in (("comp", empty.comp), ("index", empty.index)):
                 if st is None:
@@ -113,9 +119,9 @@ class PagedCache:
                 self._add(f"layer{layer.index}.{name}.entries", f"c{layer.ratio}", st.entries, None)
 
     @classmethod
-    def for_model(cls, model, *, num_blocks: int, max_seqs: int) -> PagedCache:
-        """Pools in the model's state dtype with its backend profile's block geometry."""
-        return cls(model, load_profile(model.backend).cache, num_blocks, max_seqs=max_seqs)
+    def for_model(cls, model, *, num_blocks: int, max_seqs: int, sites: PagedSites = PagedSites()) -> PagedCache:
+        """Pools in the model's state dtype with its backend's block geometry."""
+        return cls(model, model.facts, num_blocks, max_seqs=max_seqs, sites=sites)
 
     # ---- pools -------------------------------------------------------------------------------
     def _add(self, kind: str, group: str, like: torch.Tensor, horizon: int | None) -> None:
@@ -164,7 +170,7 @@ class PagedCache:
                              f"{meta.table.shape[0] * self.logical_block_tokens} positions of group "
                              f"'{meta.group.name}' allocated to the sequence")
         q = torch.arange(lo, hi, dtype=torch.int64)
-        slots = paging.physical_slots(meta.table, q, self.block_tokens, self.logical_block_tokens)
+        slots = self.sites.physical_slots(meta.table, q, self.block_tokens, self.logical_block_tokens)
         return self._pools[kind].rows.index_select(0, slots)
 
     def _write(self, kind: str, meta: GroupMeta, positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -172,7 +178,7 @@ class PagedCache:
         if values.dtype != pool.dtype or values.dim() != 2 or values.shape[1] != pool.shape[1]:
             raise ValueError(f"cache rows '{kind}': cannot store {values.dtype} {list(values.shape)} in a "
                              f"{pool.dtype} pool of width {pool.shape[1]}")
-        slots = paging.physical_slots(meta.table, positions, self.block_tokens, self.logical_block_tokens)
+        slots = self.sites.physical_slots(meta.table, positions, self.block_tokens, self.logical_block_tokens)
         with torch.no_grad():
             pool.index_copy_(0, slots, values)
 
@@ -183,12 +189,12 @@ class PagedCache:
 
     def _view(self, seq: _Seq) -> SeqCache:
         metas, layers = self._metas(seq), []
-        for layer, empty in zip(backbone(self.cfg), self._empty.layers):
-            tok, name = group_of(metas, 0), f"layer{layer.index}"
+        for layer, empty in zip(self.layers, self._empty.layers):
+            tok, name = self.sites.group_of(metas, 0), f"layer{layer.index}"
             window = self._read(f"{name}.kv", tok, max(0, tok.length - self.cfg.sliding_window), tok.length)
             comp = index = None
             if empty.comp is not None:
-                own = group_of(metas, layer.ratio)
+                own = self.sites.group_of(metas, layer.ratio)
                 comp = self._compressor(f"{name}.comp", tok, own, layer, empty.comp)
                 if empty.index is not None:
                     index = self._compressor(f"{name}.index", tok, own, layer, empty.index)
@@ -220,9 +226,9 @@ class PagedCache:
             if any(self._needed(seq, end).values()):
                 raise ValueError(f"sequence {seq_id!r}: positions < {end} are not allocated; ensure() them first")
             metas, keep = self._metas(seq), min(n, window)
-            for layer, lc in zip(backbone(self.cfg), cache.layers):
-                tok, name = group_of(metas, 0), f"layer{layer.index}"
-                self._write(f"{name}.kv", tok, group_positions(tok.group, end - keep, end),
+            for layer, lc in zip(self.layers, cache.layers):
+                tok, name = self.sites.group_of(metas, 0), f"layer{layer.index}"
+                self._write(f"{name}.kv", tok, self.sites.group_positions(tok.group, end - keep, end),
                             lc.window[lc.window.shape[0] - keep:])
                 for part, st in (("comp", lc.comp), ("index", lc.index)):
                     if st is None:
@@ -231,10 +237,10 @@ class PagedCache:
                         raise ValueError(f"sequence {seq_id!r} {name}.{part}: the record carries "
                                          f"{st.rows_kv.shape[0]} per-position compressor rows for {n} new "
                                          f"positions (a compress op without rows_kv/rows_gate?)")
-                    own, m = group_of(metas, layer.ratio), layer.ratio
-                    self._write(f"{name}.{part}.kv", tok, group_positions(tok.group, start, end), st.rows_kv)
-                    self._write(f"{name}.{part}.gate", tok, group_positions(tok.group, start, end), st.rows_gate)
-                    self._write(f"{name}.{part}.entries", own, group_positions(own.group, start, end),
+                    own, m = self.sites.group_of(metas, layer.ratio), layer.ratio
+                    self._write(f"{name}.{part}.kv", tok, self.sites.group_positions(tok.group, start, end), st.rows_kv)
+                    self._write(f"{name}.{part}.gate", tok, self.sites.group_positions(tok.group, start, end), st.rows_gate)
+                    self._write(f"{name}.{part}.entries", own, self.sites.group_positions(own.group, start, end),
                                 st.entries[start // m:end // m])
             seq.written = end
             if keep < n:             # a chunk longer than the window stores only its last W KV rows

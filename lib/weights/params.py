@@ -18,7 +18,7 @@ from lib.weights import tp_slices as shard
 from lib.weights.checkpoint import Checkpoint, LoadLedger
 from lib.quant.reference_formats import resolve
 from lib.records.expert_placement import expert_placement
-from spec.schedule import schedule
+from spec.schedule import LayerInfo, schedule
 from spec.tables import Logical, load_tensor_table
 
 
@@ -26,6 +26,18 @@ class Params(NamedTuple):
     model: dict[str, torch.Tensor]
     layers: tuple[dict[str, torch.Tensor], ...]
     drafter: tuple[dict[str, torch.Tensor], ...]
+    # The layer schedule, derived once at load (spec/schedule.py): the generated forward walks these
+    # beside `layers` / `drafter` and never re-derives them from the config.
+    backbone_layers: tuple[LayerInfo, ...] = ()
+    drafter_layers: tuple[LayerInfo, ...] = ()
+
+
+class LoadFaults(NamedTuple):
+    """Load-time fault sites, passed in explicitly (lib/porting/faults.py re-introduces catalogued
+    field bugs through them): None is the correct code, a function is what the field's port ran."""
+    stored_parts: Callable | None = None       # (logical, parts) -> the stored bytes as the port read them
+    part_index: Callable | None = None         # TP slicing of a tensor's stored parts (tp_slices.part_index)
+    expert_placement: Callable | None = None   # EP expert map (lib/records/expert_placement.py)
 
 
 class LoadOptions(NamedTuple):
@@ -40,6 +52,7 @@ class LoadOptions(NamedTuple):
     ep_dispatch: str = "allgather"     # EP token exchange: "allgather" (310P) or "alltoall"
     preconverted: str | None = None    # folder written by `dsv4gen convert` (expert mode preconverted)
     backend: str | None = None         # set by the runtime: whose preconverted experts to read
+    faults: LoadFaults = LoadFaults()  # re-introduced field bugs (conformance only)
 
 
 def stack(values: list):
@@ -95,9 +108,11 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
             ledger.mark(t)                  # read once, from the converted shards instead
             value = store.read(t.key, t.expert, n_local)
         else:
-            # module attribute lookup, not an imported name: fault injection B05 patches it
-            index = shard.part_index(t, ckpt.config, options.tp_size, options.tp_rank)
-            value = resolve(converter_for(t))(t.format, ckpt.read_parts(t, ledger, index), ckpt.config)
+            index = (options.faults.part_index or shard.part_index)(t, ckpt.config, options.tp_size, options.tp_rank)
+            parts = ckpt.read_parts(t, ledger, index)
+            if options.faults.stored_parts is not None:
+                parts = options.faults.stored_parts(t, parts)
+            value = resolve(converter_for(t))(t.format, parts, ckpt.config)
         if t.layer is None:
             model[runtime_key(t)] = value
         elif t.expert is not None:
@@ -108,11 +123,11 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
         blocks.setdefault(prefix, {})[key] = stack(values)   # [E or E/ep_size, rows, cols], expert order
     ledger.check(other_ranks=other_ranks)
     _add_derived(blocks, model, ckpt.config, options)
+    infos = schedule(ckpt.config)
     n = ckpt.config.num_hidden_layers
-    stages = len(ckpt.config.compress_ratios) - n
-    layers = tuple(blocks.get(f"layers.{i}", {}) for i in range(n))
-    drafter = tuple(blocks.get(f"mtp.{s}", {}) for s in range(stages))
-    return Params(model, layers, drafter)
+    layers = tuple(blocks.get(info.prefix, {}) for info in infos[:n])
+    drafter = tuple(blocks.get(info.prefix, {}) for info in infos[n:])
+    return Params(model, layers, drafter, infos[:n], infos[n:])
 
 
 def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:

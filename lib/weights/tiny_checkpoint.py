@@ -118,9 +118,17 @@ def maker_hash(key: str) -> str:
     return h.hexdigest()[:16]
 
 
-def embedded_tiny() -> Path:
-    """The embedded tiny checkpoint: made deterministically on first use, then reused."""
+def embedded_tiny(out=None) -> Path:
+    """The embedded tiny checkpoint: made deterministically on first use (saying so on `out`, a text
+    stream, default stderr: it takes a while), then reused silently."""
     path = cache_root() / f"tiny-{maker_hash(str(TINY_SEED))}"
     if not (path / "config.json").exists():
+        import sys
+        import time
+
+        out = out or sys.stderr
+        print(f"making the embedded tiny checkpoint in {path} (first use) ...", file=out, flush=True)
+        start = time.monotonic()
         make_tiny(path, overwrite=True)
+        print(f"made the embedded tiny checkpoint: done in {time.monotonic() - start:.1f} s", file=out, flush=True)
     return path

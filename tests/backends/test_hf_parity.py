@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from backends.cpu.ops import attention, moe
+from codegen.lower import Rewrite
 from helpers import TINY_B, prefill_logits, prompt_ids
+from lib.porting.rendering import rendered
 from lib.runtime.loaded_model import load_model
 from lib.weights.tiny_checkpoint import make_tiny
 from oracle_hf import hf_logits, load_hf_model
@@ -35,31 +37,24 @@ def case(request, tmp_path_factory):
     return ours, load_hf_model(path), prompt_ids(length, ours.cfg.vocab_size, seed=11)
 
 
-def _margins(monkeypatch) -> dict[str, list[float]]:
-    """Record the gap at every top-k boundary (indexer and learned router) during our forward."""
+def _margins(recorded) -> dict[str, list[float]]:
+    """The gap at every top-k boundary (indexer and learned router) of the recorded forward's calls."""
     gaps: dict[str, list[float]] = {"indexer": [], "router": []}
-    original_select, original_route = attention.index_select, moe.route_learned
-
-    def select(q, weights, batch, keys, *, topk, ratio, weight_scale, group=None):
-        for seg in batch.segments():
-            scores = attention.index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], keys[seg.index],
-                                            batch.positions[seg.lo:seg.hi], ratio=ratio, weight_scale=weight_scale)
-            top = scores.sort(dim=-1, descending=True).values
-            for row in top:
-                finite = row[torch.isfinite(row)]
-                if finite.numel() > topk:
-                    gaps["indexer"].append((finite[topk - 1] - finite[topk]).item())
-        return original_select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale,
-                               group=group)
-
-    def route(x, gate, bias, topk, route_scale):
-        biased = moe._scores(x, gate) + bias.double()
-        top = biased.sort(dim=-1, descending=True).values
-        gaps["router"].extend((top[:, topk - 1] - top[:, topk]).tolist())
-        return original_route(x, gate, bias, topk, route_scale)
-
-    monkeypatch.setattr(attention, "index_select", select)
-    monkeypatch.setattr(moe, "route_learned", route)
+    for _, op, args, kw, _ in recorded:
+        if op == "index_select":
+            q, weights, batch, keys = args
+            for seg in batch.segments():
+                scores = attention.index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], keys[seg.index],
+                                                batch.positions[seg.lo:seg.hi], ratio=kw["ratio"],
+                                                weight_scale=kw["weight_scale"])
+                for row in scores.sort(dim=-1, descending=True).values:
+                    finite = row[torch.isfinite(row)]
+                    if finite.numel() > kw["topk"]:
+                        gaps["indexer"].append((finite[kw["topk"] - 1] - finite[kw["topk"]]).item())
+        elif op == "route_learned":
+            x, gate, bias = args
+            top = (moe._scores(x, gate) + bias.double()).sort(dim=-1, descending=True).values
+            gaps["router"].extend((top[:, kw["topk"] - 1] - top[:, kw["topk"]]).tolist())
     return gaps
 
 
@@ -74,10 +69,12 @@ def test_config_covers_every_kind(case):
     assert all(len(ids) // lay.ratio >= 3 for lay in layers if lay.ratio)
 
 
-def test_logits_match_transformers(case, monkeypatch):
+def test_logits_match_transformers(case):
     ours, hf, ids = case
-    gaps = _margins(monkeypatch)
-    mine = prefill_logits(ours, ids)
+    # our forward from a rendering of the cpu code that records every selection it makes
+    with rendered("cpu", Rewrite(record_ops=("index_select", "route_learned")), "hf-parity") as code:
+        mine = prefill_logits(load_model(ours.root, "cpu", code=code), ids)
+        gaps = _margins(code.model.RECORDED)
     assert gaps["indexer"] and gaps["router"]
     # no near-ties at any selection boundary, so both implementations select the same entries
     assert min(gaps["indexer"]) > MARGIN, f"indexer near-tie {min(gaps['indexer'])}"

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.cpu.ops import attention
+from codegen.lower import Rewrite
 from helpers import chunked_logits, prefill_logits, prompt_ids
+from lib.porting.rendering import rendered
 from lib.records.batch import make_batch
-from lib.runtime.loaded_model import load_model, new_cache, step
+from lib.runtime.loaded_model import load_model, step
 from lib.weights.tiny_checkpoint import make_tiny
 from spec.schedule import backbone
 
@@ -56,7 +57,7 @@ def test_chunked_prefill_is_invariant(model, chunk):
 def test_decode_state_holds_what_the_reference_says(model):
     """After 48 tokens: a W-entry window, n/m compressed entries, n mod m buffered tokens (§3.12)."""
     cfg = model.cfg
-    _, caches = step(model, make_batch([prompt_ids(45, cfg.vocab_size)]), [new_cache(cfg)])
+    _, caches = step(model, make_batch([prompt_ids(45, cfg.vocab_size)]), [model.new_cache()])
     _, caches = step(model, make_batch([prompt_ids(3, cfg.vocab_size, seed=5)], [45]), caches)
     cache = caches[0]
     assert cache.length == 48
@@ -80,7 +81,7 @@ def test_batch_of_sequences_equals_each_alone(model):
     a, b, c = prompt_ids(30, vocab, 3), prompt_ids(17, vocab, 4), prompt_ids(41, vocab, 5)
     alone = [prefill_logits(model, s) for s in (a, b, c)]
     # prefill a[:29], b[:10], c[:40] together, then one mixed step: a and c decode, b prefills 7
-    caches = [new_cache(model.cfg) for _ in range(3)]
+    caches = [model.new_cache() for _ in range(3)]
     first, caches = step(model, make_batch([a[:29], b[:10], c[:40]]), caches)
     second, caches = step(model, make_batch([a[29:], b[10:], c[40:]], [29, 10, 40]), caches)
     got_a = torch.cat([first[:29], second[:1]])
@@ -93,25 +94,19 @@ def test_batch_of_sequences_equals_each_alone(model):
 def test_step_leaves_input_state_untouched(model):
     """Functional runtime: the same state stepped twice gives the same result."""
     ids = prompt_ids(30, model.cfg.vocab_size, 6)
-    _, caches = step(model, make_batch([ids[:25]]), [new_cache(model.cfg)])
+    _, caches = step(model, make_batch([ids[:25]]), [model.new_cache()])
     once, _ = step(model, make_batch([ids[25:]], [25]), caches)
     again, _ = step(model, make_batch([ids[25:]], [25]), caches)
     assert torch.equal(once, again)
 
 
-def test_indexer_selects_a_strict_subset(model, monkeypatch):
+def test_indexer_selects_a_strict_subset(model):
     """With index_topk < complete entries the CSA layers attend to a real top-k selection."""
-    seen = []
-    original = attention.index_select
-
-    def spy(q, weights, batch, keys, **kw):
-        sel = original(q, weights, batch, keys, **kw)
-        seen.append((sel, [k.shape[0] for k in keys]))
-        return sel
-
-    monkeypatch.setattr(attention, "index_select", spy)
-    prefill_logits(model, prompt_ids(48, model.cfg.vocab_size))
+    with rendered("cpu", Rewrite(record_ops=("index_select",)), "test") as code:   # records every selection
+        recording = load_model(model.root, "cpu", code=code)
+        prefill_logits(recording, prompt_ids(48, recording.cfg.vocab_size))
+        seen = [(sel, [k.shape[0] for k in args[3]]) for _, _, args, _, sel in code.model.RECORDED]
     assert seen
     for sel, sizes in seen:
         last = sel[-1]
-        assert (last >= 0).sum().item() == model.cfg.index_topk < sizes[0]
+        assert (last >= 0).sum().item() == recording.cfg.index_topk < sizes[0]

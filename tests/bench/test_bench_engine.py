@@ -3,7 +3,6 @@
 No timing assertions: this checks the benchmark's plumbing (three modes, oracle drafter, lossless
 check, JSON keys), not the engine's speed."""
 import json
-from pathlib import Path
 
 import torch
 

@@ -37,7 +37,7 @@ def test_render_is_deterministic_and_stamped(backend):
         assert "@generated" in text.splitlines()[0] and stamp in text.splitlines()[0], name
 
 
-def test_stale_missing_and_extra_files_are_reported(tmp_path, monkeypatch, capsys):
+def test_stale_missing_and_extra_files_are_reported(tmp_path):
     out = tmp_path / "_generated"
     shutil.copytree(codegen_build.generated_dir("cpu"), out)
     assert codegen_build.diff("cpu", out) == []
@@ -46,9 +46,7 @@ def test_stale_missing_and_extra_files_are_reported(tmp_path, monkeypatch, capsy
     (out / "leftover.py").write_text("")
     assert sorted(codegen_build.diff("cpu", out)) == sorted(
         [f"{out / 'model.py'}: stale", f"{out / 'PLAN.md'}: missing", f"{out / 'leftover.py'}: extra file"])
-    monkeypatch.setattr(codegen_build, "generated_dir", lambda backend: out)
-    assert main(["build", "--backend", "cpu", "--check"]) == 1
-    assert "run: dsv4gen build --backend cpu" in capsys.readouterr().err
+    # the command line's report of a stale checked-in folder: tests/codegen/test_stamp.py
 
 
 def test_build_writes_only_what_changed(tmp_path):

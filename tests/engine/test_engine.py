@@ -21,6 +21,7 @@ from lib.engine.greedy import greedy
 from lib.runtime.loaded_model import load_model
 from lib.engine.sampling import SamplingParams, target_probs
 from lib.weights.tiny_checkpoint import embedded_tiny
+from spec.schedule import drafter_kind
 from tests.helpers import prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,8 +32,9 @@ def cpu_model():
     return load_model(embedded_tiny(), "cpu")
 
 
-def _engine(model, **kw) -> Engine:
-    return Engine(model, EngineConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **kw}))
+def _engine(model, drafter=None, **kw) -> Engine:
+    config = EngineConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **kw})
+    return Engine(model, config) if drafter is None else Engine(model, config, drafter=drafter)
 
 
 def test_dspark_greedy_is_lossless_and_equals_the_reference_loop(cpu_model):
@@ -46,19 +48,19 @@ def test_dspark_greedy_is_lossless_and_equals_the_reference_loop(cpu_model):
         assert all(a <= d for a, d in zip(engine.accepted, engine.drafted))
 
 
-def _patched_propose(monkeypatch, continuation):
-    """Replace the drafter: `continuation(start, gamma)` -> proposed token ids."""
-    def propose(model, anchors, starts, rings, choose):
-        gamma = dspark.block_size(model)
+def _scripted_drafter(continuation):
+    """A drafter for the engine: `continuation(start, gamma)` -> proposed token ids."""
+    def drafter(model, requests, rings, choose):
+        gamma, starts = dspark.block_size(model), [r.computed for r in requests]
         tokens = torch.tensor([continuation(s, gamma) for s in starts])
         probs = torch.nn.functional.one_hot(tokens, model.cfg.vocab_size).float()
         return dspark.DraftBlock(tokens, probs, torch.zeros(len(starts), gamma))
-    monkeypatch.setattr(dspark, "propose", propose)
+    return drafter
 
 
-def _views_at(model, prompt, speculative: str, length: int, monkeypatch=None):
+def _views_at(model, prompt, speculative: str, length: int, drafter=None):
     """Dense cache records of a request once it has committed exactly `length` positions."""
-    engine = _engine(model, speculative=speculative, max_num_seqs=1)
+    engine = _engine(model, drafter, speculative=speculative, max_num_seqs=1)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=200))
     while engine.requests[rid].computed < length:
         engine.step()
@@ -77,15 +79,15 @@ def _same_views(a, b) -> bool:
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "wrong"])
-def test_oracle_drafts_are_all_accepted_wrong_ones_rejected_and_caches_match(cpu_model, monkeypatch, drafter):
+def test_oracle_drafts_are_all_accepted_wrong_ones_rejected_and_caches_match(cpu_model, drafter):
     prompt = prompt_ids(21, 1024, seed=5)
     target = prompt + list(greedy(cpu_model, prompt, 80))
     gamma = dspark.block_size(cpu_model)
     if drafter == "oracle":   # the target's own greedy continuation after the anchor at `start`
-        _patched_propose(monkeypatch, lambda start, g: target[start + 1: start + 1 + g])
+        scripted = _scripted_drafter(lambda start, g: target[start + 1: start + 1 + g])
     else:                     # never the target's token
-        _patched_propose(monkeypatch, lambda start, g: [(t + 1) % 1024 for t in target[start + 1: start + 1 + g]])
-    length, views, req, engine = _views_at(cpu_model, prompt, "dspark", 50)
+        scripted = _scripted_drafter(lambda start, g: [(t + 1) % 1024 for t in target[start + 1: start + 1 + g]])
+    length, views, req, engine = _views_at(cpu_model, prompt, "dspark", 50, scripted)
     rounds = req.drafted[0]
     assert rounds > 0
     if drafter == "oracle":
@@ -94,7 +96,6 @@ def test_oracle_drafts_are_all_accepted_wrong_ones_rejected_and_caches_match(cpu
     else:
         assert req.accepted == [0] * gamma                    # rejected at the first position, always
     assert req.output == target[len(prompt): len(prompt) + len(req.output)]
-    monkeypatch.undo()
     plain_length, plain_views, _, _ = _views_at(cpu_model, prompt, "none", length)
     assert plain_length == length
     assert _same_views(views, plain_views)       # rejected positions left no trace in any cache
@@ -198,22 +199,32 @@ def test_preview_checkpoints_get_a_clear_dspark_message(cpu_model):
     cfg = msgspec.structs.replace(cpu_model.cfg, dspark_block_size=None, dspark_noise_token_id=None,
                                   dspark_target_layer_ids=None, dspark_markov_rank=None,
                                   compress_ratios=cpu_model.cfg.compress_ratios[:-2])
-    preview = cpu_model._replace(cfg=cfg)
+    preview = cpu_model._replace(cfg=cfg, drafter_kind=drafter_kind(cfg))
     with pytest.raises(ValueError, match="only DSpark drafting .* is supported, use --speculative none"):
         Engine(preview, EngineConfig(speculative="dspark"))
     assert Engine(preview, EngineConfig(speculative="auto")).speculative is False
 
 
-def test_noise_token_comes_from_the_config(cpu_model, monkeypatch):
-    """B15: the draft block is [anchor, noise x (gamma-1)] with dspark_noise_token_id, never 0."""
-    seen = []
-    real = cpu_model.module.draft
+class _DraftSpy:
+    """The generated module with its drafter program watched: the blocks' input tokens are kept."""
 
-    def spy(params, batch, rings, cfg, rope):
-        seen.append(batch.tokens.tolist())
-        return real(params, batch, rings, cfg, rope)
-    monkeypatch.setattr(cpu_model.module, "draft", spy)
-    _engine(cpu_model, speculative="dspark").generate([prompt_ids(9, 1024)], SamplingParams(max_tokens=3))
+    def __init__(self, module):
+        self.module, self.seen = module, []
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def draft(self, params, batch, rings, cfg, rope):
+        self.seen.append(batch.tokens.tolist())
+        return self.module.draft(params, batch, rings, cfg, rope)
+
+
+def test_noise_token_comes_from_the_config(cpu_model):
+    """B15: the draft block is [anchor, noise x (gamma-1)] with dspark_noise_token_id, never 0."""
+    spy = _DraftSpy(cpu_model.module)
+    watched = cpu_model._replace(module=spy)                     # the model's generated module, watched
+    _engine(watched, speculative="dspark").generate([prompt_ids(9, 1024)], SamplingParams(max_tokens=3))
+    seen = spy.seen
     noise = cpu_model.cfg.dspark_noise_token_id
     assert seen and all(block[1:] == [noise] * (len(block) - 1) for block in seen) and noise != 0
 

@@ -17,7 +17,7 @@ from backends.common.paging import physical_slots
 from helpers import prompt_ids
 from lib.records.batch import make_batch
 from lib.porting.faults import injection
-from lib.runtime.paged_cache import CacheFull, PagedCache
+from lib.runtime.paged_cache import CacheFull, PagedCache, PagedSites
 from lib.runtime.paged_step import paged_step
 from lib.runtime.loaded_model import load_model, step
 from spec.profile import CacheGeometry, load_profile, profile_path
@@ -31,8 +31,8 @@ def models(tiny_ckpt):
     return {b: load_model(tiny_ckpt, b) for b in ("cpu", "ascend310p")}
 
 
-def _store(model, num_blocks: int = 64, max_seqs: int = 4, seqs=("s",)) -> PagedCache:
-    store = PagedCache.for_model(model, num_blocks=num_blocks, max_seqs=max_seqs)
+def _store(model, num_blocks: int = 64, max_seqs: int = 4, seqs=("s",), sites=PagedSites()) -> PagedCache:
+    store = PagedCache.for_model(model, num_blocks=num_blocks, max_seqs=max_seqs, sites=sites)
     for s in seqs:
         store.add(s)
     return store
@@ -220,8 +220,8 @@ def test_interleaved_sequences_equal_their_solo_runs_and_free_returns_blocks(mod
 
 
 def test_cache_full_names_the_shortfall_and_allocates_nothing(tiny_ckpt):
-    cfg = load_model(tiny_ckpt, "cpu").cfg
-    store = PagedCache(cfg, CacheGeometry(16, 16, "test"), 8, max_seqs=2)
+    model = load_model(tiny_ckpt, "cpu")
+    store = PagedCache(model, CacheGeometry(16, 16, "test"), 8, max_seqs=2)
     assert store.usage() == {"tokens": (0, 8), "c4": (0, 4), "c8": (0, 3)}   # cdiv(8, m) + max_seqs
     assert store.bytes_per_block()["tokens"] > store.bytes_per_block()["c8"] > 0
     store.add("a")
@@ -282,10 +282,10 @@ def test_extra_row_kinds_round_trip_on_the_hybrid_geometry(tiny_ckpt):
 
 
 # ---- injected field bugs ----------------------------------------------------------------------------
-def _paged_matches_dense(model, ids: list[int], steps: int) -> bool:
+def _paged_matches_dense(model, ids: list[int], steps: int, sites=PagedSites()) -> bool:
     """A pool sized to the run, so a stray slot falls outside it instead of landing unnoticed."""
     total = len(ids) + steps
-    store = _store(model, num_blocks=-(-total // load_profile(model.backend).cache.block_tokens), max_seqs=1)
+    store = _store(model, num_blocks=-(-total // model.facts.block_tokens), max_seqs=1, sites=sites)
     batch = make_batch([ids], last_only=True)
     (paged,) = paged_step(model, batch, store, ["s"])
     dense, caches = step(model, batch, [model.new_cache()])
@@ -303,10 +303,9 @@ def test_injected_paging_bugs_are_caught(models, bug):
     model = models["ascend310p"]
     ids = prompt_ids(30, model.cfg.vocab_size, seed=11)
     assert _paged_matches_dense(model, ids, 4)
-    with injection(bug, "ascend310p"):
+    with injection(bug, "ascend310p") as fault:
         try:
-            caught = not _paged_matches_dense(model, ids, 4)
+            caught = not _paged_matches_dense(model, ids, 4, fault.paged)
         except (IndexError, RuntimeError):                        # a slot outside its pool or table
             caught = True
     assert caught, f"{bug} went unnoticed"
-    assert _paged_matches_dense(model, ids, 4)                    # restored

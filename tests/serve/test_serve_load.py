@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import MODEL, running_server
+from serve_util import MODEL, running_server, wait_until
 
 N_STREAMS = 16
 
@@ -22,15 +22,6 @@ def server(tiny_ckpt):
 
 def _prompt(i: int) -> str:
     return f"Request {i}: count the words in sentence {i * 7}."
-
-
-def _wait_until(check, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_sixteen_concurrent_streams_each_equal_their_sequential_output(server):
@@ -75,8 +66,8 @@ def test_closing_streams_midway_frees_every_cache_block(server):
             if n == 2:
                 break
         stream.close()
-        assert _wait_until(lambda: server.blocks_used() == 0), f"blocks still held after closing stream {i}"
-    assert _wait_until(lambda: _aborted(server) == aborted + 6)
+        assert wait_until(lambda: server.blocks_used() == 0), f"blocks still held after closing stream {i}"
+    assert wait_until(lambda: _aborted(server) == aborted + 6)
     assert httpx.get(server.url + "/health").status_code == 200
     res = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=4, temperature=0)
     assert res.usage.completion_tokens >= 1
@@ -89,7 +80,7 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(server):
         httpx.post(server.url + "/v1/completions", timeout=1.0,
                    json={"model": MODEL, "prompt": "go on and on", "max_tokens": 3000, "temperature": 0,
                          "ignore_eos": True})
-    assert _wait_until(lambda: _aborted(server) == aborted + 1)
+    assert wait_until(lambda: _aborted(server) == aborted + 1)
     assert server.blocks_used() == 0
     time.sleep(0.5)
     # it stopped: nowhere near the 3000 tokens it asked for were generated
@@ -116,7 +107,7 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_ckpt):
                                                                      temperature=0, extra_body={"ignore_eos": True})
                                            for _ in range(8)))
             asyncio.run(burst())
-        assert _wait_until(lambda: small.blocks_used() == 0)
+        assert wait_until(lambda: small.blocks_used() == 0)
 
 
 def test_a_dead_engine_makes_health_503_and_ends_requests_with_an_error(tiny_ckpt):

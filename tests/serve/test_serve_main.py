@@ -2,10 +2,12 @@
 the README's documented curl call; `dsv4gen serve` is the same server."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+import lib.launcher.ranks
+import lib.weights.tiny_checkpoint as tiny
 from lib.cli.main import main as dsv4gen
+from serve.cli import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,3 +74,40 @@ def test_dsv4gen_serve_is_the_same_server(capsys):
 def test_bad_flags_fail_with_a_clear_message(tmp_path, capsys):
     assert dsv4gen(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_the_embedded_checkpoint_is_announced_while_made_and_not_claimed_later(tiny_ckpt, tmp_path, monkeypatch,
+                                                                                capsys):
+    monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "cache"))
+    made = []
+
+    def make_tiny(path, overwrite=False):             # the real one takes seconds: the same bytes, copied
+        made.append(path)
+        return Path(shutil.copytree(tiny_ckpt, path, dirs_exist_ok=overwrite))
+
+    class Loading(Exception):
+        pass
+
+    def launch(spec):                                 # stop where loading starts: the messages are written
+        raise Loading
+    monkeypatch.setattr(tiny, "make_tiny", make_tiny)
+    monkeypatch.setattr(lib.launcher.ranks, "launch", launch)
+
+    first, later = io.StringIO(), io.StringIO()
+    with pytest.raises(Loading):
+        prepare(["--port", "0"], out=first)
+    path = tmp_path / "cache" / made[0].name
+    lines = first.getvalue().splitlines()
+    assert lines[0] == f"making the embedded tiny checkpoint in {path} (first use) ..."
+    assert re.fullmatch(r"made the embedded tiny checkpoint: done in \d+\.\d s", lines[1]), lines
+    assert lines[2] == f"using the embedded tiny checkpoint {path}" and lines[3].startswith(f"loading {path} ")
+
+    with pytest.raises(Loading):
+        prepare(["--port", "0"], out=later)
+    assert len(made) == 1
+    assert later.getvalue().splitlines()[:1] == [f"using the embedded tiny checkpoint {path}"]
+    assert not any(word in later.getvalue() for word in ("making", "made the", "made on", "first use"))
+
+    monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "other"))   # the other callers: embedded_tiny()
+    assert tiny.embedded_tiny().parent == tmp_path / "other"
+    assert "making the embedded tiny checkpoint in " in capsys.readouterr().err

@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 
+from codegen.lower import Rewrite
+from lib.porting.rendering import rendered
 from lib.quant.reference_formats import resolve
 from lib.guard.capability import CapabilityGuard, GuardViolation, rules_from_profile
 from lib.porting.op_schemas import check_signature, load_schemas
@@ -54,18 +56,24 @@ def test_device_ops_exist_with_their_recorded_schema(backend):
         assert set(low.device_ops) <= set(profile.device_ops)
 
 
-def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path, monkeypatch):
+def bf16_add(a, b):
+    """A lowering of `add` that slips into bf16 (rendered into the 310P code below)."""
+    return (a.to(torch.bfloat16) + b.to(torch.bfloat16)).to(a.dtype)
+
+
+def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path):
     """The 310P generated code runs clean under its guard; a composite that slips into bf16 is named."""
-    from backends.common import dense
     from lib.records.batch import make_batch
     from lib.runtime.loaded_model import load_model, step
     from lib.weights.tiny_checkpoint import make_tiny
 
-    model = load_model(make_tiny(tmp_path / "ckpt"), "ascend310p")
+    tiny = make_tiny(tmp_path / "ckpt")
+    model = load_model(tiny, "ascend310p")
     rules = rules_from_profile(load_profile("ascend310p"))
     with CapabilityGuard(rules):
         step(model, make_batch([[20, 21, 22]]), [model.new_cache()])
-    monkeypatch.setattr(dense, "add", lambda a, b: (a.to(torch.bfloat16) + b.to(torch.bfloat16)).to(a.dtype))
-    with pytest.raises(GuardViolation, match=r"bfloat16.*test_profiles.py:\d+"):
-        with CapabilityGuard(rules):
-            step(model, make_batch([[20, 21, 22]]), [model.new_cache()])
+    with rendered("ascend310p", Rewrite(calls={"add": "tests.spec.test_profiles:bf16_add"}), "test") as code:
+        slipped = load_model(tiny, "ascend310p", code=code)
+        with pytest.raises(GuardViolation, match=r"bfloat16.*test_profiles.py:\d+"):
+            with CapabilityGuard(rules):
+                step(slipped, make_batch([[20, 21, 22]]), [slipped.new_cache()])

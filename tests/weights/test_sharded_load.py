@@ -15,7 +15,7 @@ from lib.cli.main import main
 from lib.quant.reference_formats import decode
 from lib.porting.faults import injection
 from lib.weights.params import LoadOptions, runtime_key
-from lib.runtime.loaded_model import backend_module, load_model
+from lib.runtime.loaded_model import generated, load_model
 from lib.weights.tiny_checkpoint import make_tiny
 from lib.quant.runtime_formats import W8A8
 
@@ -153,7 +153,7 @@ def test_a_rank_reads_only_its_bytes(tp_ckpt):
     """Through the read counter: a TP 2 / EP 2 rank copies out of the shards exactly half of each
     split tensor (its scales included), every replicated tensor and its own experts, nothing else."""
     ckpt = Checkpoint(tp_ckpt)
-    backend_module("cpu", "loader").load(ckpt, options=LoadOptions(tp_size=TP, tp_rank=RANK, ep_size=EP, ep_rank=RANK))
+    generated("cpu").loader.load(ckpt, options=LoadOptions(tp_size=TP, tp_rank=RANK, ep_size=EP, ep_rank=RANK))
     split = 0            # bytes of TP-split tensors and routed experts: a rank of 2 x 2 reads half of each
     for t in ckpt.logical:
         size = sum(ckpt.headers[p.key].end - ckpt.headers[p.key].begin for p in t.parts)
@@ -191,9 +191,9 @@ def test_b05_injection_gives_rank_1_rank_0s_scales(tp_ckpt, loads):
     """B05 loads without complaint on the 310P W8A8 path, and only the row-parallel wo_b of a rank
     past 0 differs: its columns are scaled by rank 0's blocks (2^-10, 2^-9 instead of 2^-8, 2^-7)."""
     full, right = loads("ascend310p")
-    with injection("B05", "ascend310p"):
-        wrong = load_model(tp_ckpt, "ascend310p", options=LoadOptions(tp_size=TP, tp_rank=RANK, ep_size=EP,
-                                                                      ep_rank=RANK))
+    with injection("B05", "ascend310p") as fault:
+        wrong = load_model(tp_ckpt, "ascend310p", options=fault.options(LoadOptions(tp_size=TP, tp_rank=RANK,
+                                                                                    ep_size=EP, ep_rank=RANK)))
     ckpt = Checkpoint(tp_ckpt)
     for t in ckpt.logical:
         if t.expert is None:
