@@ -36,3 +36,9 @@ def chunked_logits(model: Model, ids: list[int], chunks: list[int]) -> torch.Ten
         pos += size
     assert pos == len(ids)
     return torch.cat(out)
+
+
+def messages(stderr: str) -> list[str]:
+    """stderr less the stage announcements of long commands (`[make-tiny] writing ... ...`,
+    lib/console/stages.py): the lines a test pins."""
+    return [line for line in stderr.splitlines() if not line.startswith("[")]

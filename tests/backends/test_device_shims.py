@@ -1,34 +1,21 @@
 """Device shims of ascend310p / ascend910 / hip936: emulated numerics against brute-force loop references
-(signatures: test_device_schemas.py), and every device quirk ON
+(signatures: test_device_schemas.py; hip936 _int_mm: test_hip936_int_mm.py), and every device quirk ON
 (L02 L03 L05 L06 L07 L08 L09 L28). CPU only; no torch_npu, no DCU.
 """
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 import backends.ascend310p.device_ops as p310
 import backends.ascend910.device_ops as p910
-import backends.hip936.device_ops as hip
 from lib.emulation import npu_ops as emu
+from tests.backends.device_inputs import dot as _dot, gen, randint8
 
 F16, BF16, F32, I8, I32, I64 = torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.int32, torch.int64
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def randint8(*shape, seed=0, lo=-127, hi=128):
-    return torch.randint(lo, hi, shape, generator=gen(seed), dtype=I8)
-
-
 # ---- quantised matmuls ------------------------------------------------------------------------------------
-def _dot(a_row, b_col) -> int:
-    return sum(int(u) * int(v) for u, v in zip(a_row.tolist(), b_col.tolist()))
-
-
 def test_quant_matmul_310p_matches_loops_with_transposed_weight():
     x1, w_nk = randint8(5, 32, seed=1), randint8(16, 32, seed=2)
     scale, bias = torch.rand(16, generator=gen(3)) / 100, torch.randint(-50, 50, (16,), generator=gen(4), dtype=I32)
@@ -383,24 +370,3 @@ def test_int4_packing_order_is_low_nibble_first_and_round_trips():
     assert torch.equal(emu.unpack_int4(emu.pack_int4(q)), q)
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         emu.pack_int4(torch.full((8,), 9, dtype=I8))
-
-
-# ---- hip936 _int_mm (L28) ---------------------------------------------------------------------------------
-def test_l28_int_mm_raises_for_m_le_16_and_padding_to_17_fixes_it():
-    w = randint8(32, 16, seed=36, lo=-128)
-    for m in (1, 16):
-        with pytest.raises(RuntimeError, match="greater than 16"):
-            hip._int_mm(randint8(m, 32, seed=37, lo=-128), w)
-    a17 = randint8(17, 32, seed=38, lo=-128)
-    y = hip._int_mm(a17, w)
-    assert y.dtype == I32 and all(int(y[i, j]) == _dot(a17[i], w[:, j]) for i in range(17) for j in range(16))
-    a5 = a17[:5]
-    padded = hip.pad_rows_to(a5, 17)
-    assert padded.shape == (17, 32) and torch.equal(hip._int_mm(padded, w)[:5], y[:5])
-    assert hip.pad_rows_to(a17) is a17
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        hip._int_mm(randint8(17, 12), randint8(12, 16))
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        hip._int_mm(a17, w[:, :12])
-    with pytest.raises(RuntimeError, match="int8"):
-        hip._int_mm(a17.float(), w)

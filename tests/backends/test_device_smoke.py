@@ -152,15 +152,21 @@ def _end_to_end(backend: str, device: str, ckpt) -> None:
     assert cos > 0.99, f"{backend}: device logits far from the emulated CPU run (cosine {cos:.4f})"
 
 
+def _rms_norm(device, module, dtype, tol: float, seed: int) -> torch.Tensor:
+    """npu_rms_norm on the device against the emulation; returns its input [6, 128] for the next ops."""
+    x = torch.randn(6, 128, generator=_gen(seed)).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(128, generator=_gen(seed + 1))).to(dtype)
+    (y, rstd), (y_ref, rstd_ref) = _both(device, module.npu_rms_norm, x, gamma, 1e-6)
+    _close(y, y_ref, tol, "npu_rms_norm y")
+    _close(rstd, rstd_ref, 1e-3, "npu_rms_norm rstd")
+    return x
+
+
 # ---- the backends -----------------------------------------------------------------------------------------
 @pytest.mark.npu
 def test_ascend310p_on_device(request):
     device = _npu_device("310P")
-    x = torch.randn(6, 128, generator=_gen(10)).to(F16)
-    gamma = (1 + 0.1 * torch.randn(128, generator=_gen(11))).to(F16)
-    (y, rstd), (y_ref, rstd_ref) = _both(device, p310.npu_rms_norm, x, gamma, 1e-6)
-    _close(y, y_ref, 1e-2, "npu_rms_norm y")
-    _close(rstd, rstd_ref, 1e-3, "npu_rms_norm rstd")
+    x = _rms_norm(device, p310, F16, 1e-2, seed=10)
 
     w, ws = _int8(32, 128, seed=12), torch.rand(32, generator=_gen(13)) / 50 + 1e-3   # [N, K], [N]
     got, want = _both(device, p310.npu_quant_matmul_dequant, x, w, ws)
@@ -178,11 +184,7 @@ def test_ascend310p_on_device(request):
 @pytest.mark.npu
 def test_ascend910_on_device(request):
     device = _npu_device("910")
-    x = torch.randn(6, 128, generator=_gen(20)).to(BF16)
-    gamma = (1 + 0.1 * torch.randn(128, generator=_gen(21))).to(BF16)
-    (y, rstd), (y_ref, rstd_ref) = _both(device, p910.npu_rms_norm, x, gamma, 1e-6)
-    _close(y, y_ref, 2e-2, "npu_rms_norm y")
-    _close(rstd, rstd_ref, 1e-3, "npu_rms_norm rstd")
+    x = _rms_norm(device, p910, BF16, 2e-2, seed=20)
 
     (xq, xs), (xq_ref, xs_ref) = _both(device, p910.npu_dynamic_quant, x)
     _close(xs, xs_ref, 1e-3, "npu_dynamic_quant scale")

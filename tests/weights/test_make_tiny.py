@@ -8,9 +8,6 @@ is compared against, never used to decide what a single tensor should look like.
 import json
 import math
 import re
-import shutil
-import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,54 +15,12 @@ import torch
 import lib.weights.checkpoint_writer
 import lib.weights.tiny_checkpoint
 from lib.weights.checkpoint import Checkpoint
-from lib.cli.main import main
-from lib.runtime.loaded_model import load_model
 from spec.config import load_config_json
 from spec.tables import expand
 from spec.variants import variant_config
 
-INDEX = "model.safetensors.index.json"
-SHARDS = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-WIDTH = {"BF16": 2, "F32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
-# The tiny preset (spec/models/deepseek-v4-flash.yaml, variant tiny), written out by hand.
-H, VOCAB, E, MOE, HEADS, HEAD_DIM, Q_LORA, HC = 256, 1024, 8, 128, 8, 64, 128, 4
-KINDS = {"layers.0": "swa", "layers.1": "swa", "layers.2": "csa", "layers.3": "hca", "layers.4": "csa",
-         "layers.5": "hca", "mtp.0": "swa", "mtp.1": "swa", "mtp.2": "swa"}
-HASH_LAYERS = {"layers.0", "layers.1", "layers.2"}
-# A much cheaper valid config for tests about writing, not about the model (2 layers, 1 stage).
-MINI = {"hidden_size": 128, "num_hidden_layers": 2, "num_hash_layers": 1, "compress_ratios": [0, 4, 0],
-        "dspark_target_layer_ids": [1], "n_routed_experts": 2, "num_experts_per_tok": 1, "vocab_size": 512}
-MINI_SET = [a for k, v in MINI.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-
-
-def raw_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """key -> (dtype, shape, data bytes), straight from the safetensors header JSON."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n))
-    meta.pop("__metadata__", None)
-    return {k: (v["dtype"], tuple(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0])
-            for k, v in meta.items()}
-
-
-def read_layout(root: Path) -> tuple[dict, dict[str, tuple[str, str, tuple[int, ...], int]]]:
-    """(index JSON, key -> (shard, dtype, shape, bytes)) of every tensor in every shard."""
-    index = json.loads((root / INDEX).read_text(encoding="utf-8"))
-    tensors = {}
-    for shard in sorted(p.name for p in root.glob("*.safetensors")):
-        for key, (dtype, shape, nbytes) in raw_header(root / shard).items():
-            assert key not in tensors, f"{key} is stored in {tensors[key][0]} and {shard}"
-            tensors[key] = (shard, dtype, shape, nbytes)
-    return index, tensors
-
-
-def block_of(key: str) -> str | None:
-    m = re.match(r"(layers\.\d+|mtp\.\d+)\.", key)
-    return m.group(1) if m else None
-
-
-def all_bytes(root: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+from tests.weights.tiny_layout import (E, H, HASH_LAYERS, HC, HEAD_DIM, HEADS, INDEX, KINDS, MOE, Q_LORA, SHARDS, VOCAB,
+                                         WIDTH, all_bytes, block_of, read_layout)
 
 
 @pytest.fixture(scope="module")
@@ -272,130 +227,3 @@ def test_other_seed_gives_other_weights(tiny_ckpt, tmp_path):
     ca, cb = Checkpoint(tiny_ckpt), Checkpoint(other)
     for key in ("embed.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.tid2eid"):
         assert not torch.equal(ca.read(key).view(torch.uint8), cb.read(key).view(torch.uint8)), key
-
-
-# ------------------------------------------------------------------ CLI: --set, --force
-
-def test_set_overrides_through_the_cli(tmp_path, capsys):
-    out = tmp_path / "small"
-    rc = main(["make-tiny", "--out", str(out), "--set", "hidden_size=128",
-               "--set", "compress_ratios=[0,4,16,4,0,0,0]", "--set", "num_hidden_layers=4",
-               "--set", "dspark_target_layer_ids=[1,2,3]"])
-    assert rc == 0
-    assert capsys.readouterr().out == f"wrote tiny DeepSeek-V4 checkpoint to {out}\n"
-    raw = json.loads((out / "config.json").read_text())
-    assert (raw["hidden_size"], raw["num_hidden_layers"]) == (128, 4)
-    assert raw["compress_ratios"] == [0, 4, 16, 4, 0, 0, 0]
-    assert raw["dspark_target_layer_ids"] == [1, 2, 3]
-    assert (raw["vocab_size"], raw["n_routed_experts"]) == (VOCAB, E)      # preset values kept
-    _, tensors = read_layout(out)
-    assert tensors["embed.weight"][1:3] == ("BF16", (VOCAB, 128))
-    assert tensors["layers.2.attn.compressor.ape"][1:3] == ("F32", (16, HEAD_DIM))   # HCA, ratio 16
-    assert tensors["mtp.0.main_proj.weight"][1:3] == ("F8_E4M3", (128, 3 * 128))
-    assert {b for b in map(block_of, tensors) if b} == {"layers.0", "layers.1", "layers.2", "layers.3",
-                                                         "mtp.0", "mtp.1", "mtp.2"}
-    model = load_model(out)
-    assert model.cfg.hidden_size == 128 and model.cfg.compress_ratios == (0, 4, 16, 4, 0, 0, 0)
-    assert (len(model.params.layers), len(model.params.drafter)) == (4, 3)
-    assert model.params.layers[3]["ffn.experts.w1.weight"].shape == (E, MOE, 128)
-
-
-@pytest.mark.parametrize("sets, fragments", [
-    # 9 compress_ratios with 4 layers leaves [4, 8, 0, 0, 0] as drafter entries
-    (["num_hidden_layers=4"], ["drafter-stage entries of compress_ratios must be 0",
-                                "num_hidden_layers (4)", "found [4, 8, 0, 0, 0]"]),
-    (["num_hidden_layers=10"], ["compress_ratios has 9 entries, fewer than num_hidden_layers (10)"]),
-    (["dspark_target_layer_ids=[3,4,6]"], ["dspark_target_layer_ids names layer 6, outside 0..5"]),
-    (["hiden_size=1"], ["unknown config key 'hiden_size'", "hidden_size"]),
-    (["scoring_func=softmax"], ["'softmax'", "sqrtsoftplus", "scoring_func"]),
-])
-def test_bad_set_exits_2_naming_the_keys(tmp_path, capsys, sets, fragments):
-    out = tmp_path / "bad"
-    argv = ["make-tiny", "--out", str(out)]
-    for s in sets:
-        argv += ["--set", s]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("dsv4gen make-tiny: error: ") and "--set" in err
-    for fragment in fragments:
-        assert fragment in err
-    assert not out.exists()
-
-
-def test_refuses_non_empty_dir_without_force_then_replaces_with_force(tiny_ckpt, tmp_path, capsys):
-    out = tmp_path / "ckpt"
-    shutil.copytree(tiny_ckpt, out)
-    (out / "stray.txt").write_text("left over")
-    before = all_bytes(out)
-    assert main(["make-tiny", "--out", str(out), *MINI_SET]) == 2
-    err = capsys.readouterr().err
-    assert err == f"dsv4gen make-tiny: error: {out}: already exists and is not empty (pass --force to replace it)\n"
-    assert all_bytes(out) == before
-
-    assert main(["make-tiny", "--out", str(out), *MINI_SET, "--force"]) == 0
-    after = all_bytes(out)
-    assert "stray.txt" not in after                       # replaced, not merged into
-    assert after.keys() == before.keys() - {"stray.txt"}
-    assert json.loads(after["config.json"])["num_hidden_layers"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]   # no temp or old folders
-    Checkpoint(out)
-
-
-def _failing_save(monkeypatch, exc: BaseException) -> list[str]:
-    """Make the writer's safetensors save write the first shard, then half a file, then fail."""
-    real = lib.weights.checkpoint_writer.save_file
-    calls: list[str] = []
-
-    def save_file(tensors, filename, metadata=None):
-        calls.append(filename)
-        if len(calls) == 1:
-            return real(tensors, filename, metadata=metadata)
-        Path(filename).write_bytes(b"\0" * 1000)
-        raise exc
-
-    monkeypatch.setattr(lib.weights.checkpoint_writer, "save_file", save_file)
-    return calls
-
-
-def test_interrupted_write_leaves_nothing_behind(tmp_path, monkeypatch):
-    calls = _failing_save(monkeypatch, KeyboardInterrupt())
-    parent = tmp_path / "parent"
-    with pytest.raises(KeyboardInterrupt):
-        main(["make-tiny", "--out", str(parent / "ckpt"), *MINI_SET])
-    assert len(calls) == 2
-    assert sorted(p.name for p in parent.iterdir()) == []
-
-
-def test_interrupted_force_keeps_the_old_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
-    out = tmp_path / "ckpt"
-    shutil.copytree(tiny_ckpt, out)
-    calls = _failing_save(monkeypatch, OSError(28, "No space left on device"))
-    with pytest.raises(OSError, match="No space left on device"):
-        lib.weights.tiny_checkpoint.make_tiny(out, overrides=MINI, overwrite=True)
-    assert len(calls) == 2
-    assert all_bytes(out) == all_bytes(tiny_ckpt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-
-
-# ------------------------------------------------------------------ embedded tiny checkpoint
-
-def test_embedded_tiny_is_made_once_then_reused(tiny_ckpt, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("DSV4GEN_CACHE", str(cache))
-    real, made = lib.weights.tiny_checkpoint.make_tiny, []
-
-    def spy(*args, **kwargs):
-        made.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(lib.weights.tiny_checkpoint, "make_tiny", spy)
-    first = lib.weights.tiny_checkpoint.embedded_tiny()
-    assert len(made) == 1
-    assert first.parent == cache and re.fullmatch(r"tiny-[0-9a-f]{16}", first.name)
-    assert all_bytes(first) == all_bytes(tiny_ckpt)       # the default preset and seed
-    stamps = {p.name: p.stat().st_mtime_ns for p in [first, *first.iterdir()]}
-
-    second = lib.weights.tiny_checkpoint.embedded_tiny()
-    assert second == first and len(made) == 1
-    assert {p.name: p.stat().st_mtime_ns for p in [second, *second.iterdir()]} == stamps
-    assert sorted(p.name for p in cache.iterdir()) == [first.name]
