@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -139,6 +138,13 @@ def server_for(prepared: Prepared, log_level: str = "warning", announce=None, ou
             if announce is not None and not self.should_exit:
                 announce(prepared.url)
 
+        def handle_exit(self, sig, frame):
+            # SIGINT / SIGTERM: shut down (open requests end at once, below). A second signal changes
+            # nothing (uvicorn would force the exit and cancel the lifespan mid-shutdown, which logs a
+            # traceback), and none is re-raised afterwards (uvicorn's default: a KeyboardInterrupt
+            # inside asyncio's runner)
+            self.should_exit = True
+
         async def shutdown(self, sockets=None):
             ended = prepared.context.engine.end_all("the server is shutting down")
             if out is not None:
@@ -171,13 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"listening on {url}  (OpenAI API at {url}/v1)", flush=True)
 
     server = server_for(prepared, args.log_level, announce, out=sys.stderr)
-    # uvicorn handles SIGINT / SIGTERM itself, then re-raises the signal under the handler it found:
-    # after its clean shutdown that must neither kill us (SIGTERM's default) nor print a traceback
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run(sockets=[prepared.sock])
-    except KeyboardInterrupt:                    # uvicorn re-raises the SIGINT it handled: already shut down
+        server.run(sockets=[prepared.sock])      # SIGINT / SIGTERM end it cleanly (Server.handle_exit)
+    except KeyboardInterrupt:                    # a Ctrl-C before uvicorn's handlers were installed
         pass
     blocks = prepared.context.engine.snapshot.blocks
     print(f"server stopped; cache blocks in use: {sum(u for _, u, _ in blocks)} of {sum(t for _, _, t in blocks)}",

@@ -129,6 +129,8 @@ def test_disconnects_and_sigint_leave_no_traceback_and_free_every_block(tmp_path
                 assert _blocks_used(url) > 0                 # it is running, holding its caches
                 stopped_at = time.monotonic()
                 proc.send_signal(signal.SIGINT)
+                time.sleep(0.05)
+                proc.send_signal(signal.SIGINT)              # an impatient second Ctrl-C changes nothing
                 lines += _data_lines(events, LONG + 10)      # ends by itself, well before the read timeout
             ended_after = time.monotonic() - stopped_at
         _assert_error_then_done(lines)
