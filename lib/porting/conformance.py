@@ -17,19 +17,19 @@ from typing import NamedTuple
 
 import torch
 
+from codegen.lower import Rewrite
 from lib.console.stages import Stages
-from lib.records.batch import make_batch
+from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
-from codegen.lower import Rewrite
 from lib.porting.conformance_ops import op_checks, run_ops, weight_free_ops
 from lib.porting.rendering import rendered
-from lib.guard.capability import CapabilityGuard, rules_from_profile
+from lib.records.batch import make_batch
+from lib.records.decode_state import CompressorState, LayerCache
+from lib.runtime.loaded_model import Model, load_model, step
 from lib.runtime.paged_cache import PagedCache, PagedSites
 from lib.runtime.paged_step import paged_step
 from lib.weights.params import LoadOptions
-from lib.runtime.loaded_model import Model, load_model, step
-from lib.records.decode_state import CompressorState, LayerCache
 from spec.profile import load_profile
 
 

@@ -42,6 +42,11 @@ class Injection(NamedTuple):
     logprob_scorer: Callable = token_logprobs
     min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
 
+    @property
+    def load_only(self) -> bool:
+        """Whether every site of the bug is a load-time one (what each rank of a TP / EP launch gets)."""
+        return self.rewrite is None and self.paged == PagedSites() and self.logprob_scorer is token_logprobs
+
 
 class Faulted(NamedTuple):
     """What a run passes explicitly to put one injected bug in place (the correct code for None)."""

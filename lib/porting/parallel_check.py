@@ -14,9 +14,7 @@ from lib.engine.llm_engine import EngineConfig
 from lib.launcher.ranks import LaunchSpec, ReplicatedEngine, launch
 from lib.weights.params import LoadOptions
 from lib.engine.sampling import SamplingParams
-from lib.engine.sampling import token_logprobs
 from lib.porting.faults import check as check_injection
-from lib.runtime.paged_cache import PagedSites
 
 DEFAULT_PROMPTS = ((0, 17, 300, 41, 7, 512, 88, 2), (0, 900, 33, 270, 5), (0, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73))
 
@@ -51,7 +49,7 @@ def greedy_tokens(model_path: Path, backend: str, prompts, steps: int, *, tp: in
     config = EngineConfig(max_num_seqs=len(prompts), speculative=speculative)
     if inject is not None:           # every rank loads with the bug's load-time fault sites (B05, B11)
         inj = check_injection(inject, backend)
-        if inj.rewrite is not None or inj.paged != PagedSites() or inj.logprob_scorer is not token_logprobs:
+        if not inj.load_only:
             raise ValueError(f"{inject} is injected into the generated code or the run path, which the TP/EP check "
                              "does not render; check it without --tensor-parallel-size / --expert-parallel-size")
         options = options._replace(faults=inj.load)
