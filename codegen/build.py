@@ -17,10 +17,12 @@ import jinja2
 from codegen.lower import Rewrite, lower
 from spec.graph import GRAPH_PATH, load_graph
 from spec.profile import load_profile, load_runtime_formats, profile_path
+from spec.state import as_python, load_state
 from spec.tables import SPEC_DIR, load_tensor_table
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml")
+SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml",
+              SPEC_DIR / "state.yaml")
 
 
 CODEGEN_DIR = Path(__file__).resolve().parent
@@ -68,6 +70,7 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "compute_dtype": profile.compute_dtype,
         "cache": profile.cache,
         "ep_dispatch": profile.ep_dispatch.mode,
+        "state": [_state_line(d) for d in load_state(spec_dir / "state.yaml")],
         "imports": lowered.imports,
         "functions": lowered.functions,
         "dispatch": lowered.dispatch,
@@ -90,6 +93,13 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "loader.py": env.get_template("loader.py.j2").render(ctx),
         "PLAN.md": env.get_template("plan.md.j2").render(ctx),
     }
+
+
+def _state_line(d) -> str:
+    """One declared state item as a StateItem(...) expression of the generated package."""
+    rows = "None" if d.rows is None else f"lambda cfg, ratio, slack: {as_python(d.rows)}"
+    return (f"StateItem({d.name!r}, {d.kinds!r}, {d.lifetime!r}, {rows}, "
+            f"lambda cfg, ratio, slack: {as_python(d.dim)}, {d.dtype!r}),")
 
 
 def render_into(backend: str, rewrite: Rewrite, folder: Path) -> Path:

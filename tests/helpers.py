@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from lib.records.batch import make_batch
-from lib.runtime.loaded_model import Model, step
+from lib.runtime.loaded_model import Model
+from lib.runtime.paged_cache import PagedCache
+from lib.runtime.paged_step import paged_step
 
 # A second tiny config for parity tests: other widths, window 8, HCA ratio 16, one hash layer.
 TINY_B = {
@@ -23,15 +25,17 @@ def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
 
 
 def prefill_logits(model: Model, ids: list[int]) -> torch.Tensor:
-    logits, _ = step(model, make_batch([ids]), [model.new_cache()])
-    return logits
+    from lib.runtime.paged_step import prefill_logits as logits_of
+    return logits_of(model, ids)
 
 
 def chunked_logits(model: Model, ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Logits of every position when the sequence arrives in chunks of the given sizes."""
-    caches, out, pos = [model.new_cache()], [], 0
+    store = PagedCache.for_lengths(model, [len(ids)])
+    store.add(0)
+    out, pos = [], 0
     for size in chunks:
-        logits, caches = step(model, make_batch([ids[pos:pos + size]], [pos]), caches)
+        (logits,) = paged_step(model, make_batch([ids[pos:pos + size]], [pos]), store, [0])
         out.append(logits)
         pos += size
     assert pos == len(ids)

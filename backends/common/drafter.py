@@ -1,15 +1,15 @@
 """DSpark drafter ops as device composites (DSV4-REFERENCE §5.2; L10: no fused op on any target).
 
-The block attention is one fixed-shape fp32 softmax per sequence over [ring ; block] with the
-sink: no mask is needed because every draft query sees everything it is given. Features are
-averaged in fp32 (the residual streams are fp32 on every device backend, L02).
+The block attention is one fixed-shape fp32 softmax over [ring ; block] with the sink for every
+draft row of the batch at once; unfilled ring slots (a sequence shorter than the window) are
+masked. Features are averaged in fp32 (the residual streams are fp32 on every device backend, L02).
 """
 from __future__ import annotations
 
 import torch
 
+from lib.emulation import invariant_matmul as invariant
 from lib.records.batch import Batch
-from lib.emulation.invariant_matmul import matmul
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
@@ -21,15 +21,19 @@ def context_features(taps: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.cat(taps, dim=-1) if taps else None
 
 
-def dspark_attention(q, kv, batch: Batch, rings: list[torch.Tensor], sink) -> torch.Tensor:
-    """q [T, H, D], kv [T, D] (compute dtype), rings[s] [<=W, D] -> o [T, H, D] in kv's dtype."""
-    d = q.shape[-1]
-    outs = []
-    for seg in batch.segments():
-        keys = torch.cat((rings[seg.index].to(kv.dtype), kv[seg.lo:seg.hi])).float()     # [r + n, D]
-        logits = matmul(q[seg.lo:seg.hi].float(), keys.t()) / d ** 0.5       # [n, H, r + n]: per row (lib/invariant)
-        sk = sink.float()[None, :, None]
-        top = torch.maximum(logits.amax(-1, keepdim=True), sk)
-        e = torch.exp(logits - top)
-        outs.append(matmul(e / (e.sum(-1, keepdim=True) + torch.exp(sk - top)), keys).to(kv.dtype))
-    return torch.cat(outs)
+def dspark_attention(q, kv, batch: Batch, rings, sink) -> torch.Tensor:
+    """q [T, H, D], kv [T, D] (compute dtype), rings: the stage's ring pool -> o [T, H, D] in kv's dtype."""
+    addr, d, s, w = batch.state, q.shape[-1], len(batch.seq_lens), rings.shape[1]
+    seq = addr.row_seq
+    pos = addr.seq_start[seq][:, None] - w + torch.arange(w)                      # [T, W]
+    rows = addr.ring_rows(seq[:, None].expand_as(pos), pos.clamp(min=0), w).reshape(-1)
+    ring = rings.view(-1, d).index_select(0, rows).view(q.shape[0], w, d).to(kv.dtype)
+    block = kv.view(s, -1, d).index_select(0, seq)                               # [T, G, D]
+    keys = torch.cat((ring, block), dim=1).float()
+    mask = torch.cat((pos >= 0, torch.ones(q.shape[0], block.shape[1], dtype=torch.bool)), dim=1)
+    logits = invariant.bmm(q.float(), keys.transpose(1, 2)) / d ** 0.5
+    logits = torch.where(mask[:, None, :], logits, float("-inf"))
+    sk = sink.float()[None, :, None]
+    top = torch.maximum(logits.amax(-1, keepdim=True), sk)
+    e = torch.exp(logits - top)
+    return invariant.bmm(e / (e.sum(-1, keepdim=True) + torch.exp(sk - top)), keys).to(kv.dtype)

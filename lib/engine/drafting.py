@@ -6,7 +6,8 @@ stage is host-driven by nature (each position's token is chosen before the next 
 exists), so it runs here, in fp32, through a caller-supplied `choose` that applies the request's
 sampling rules: the drafter proposes from exactly the distribution verification is told about.
 
-What this module must not know: caches, scheduling, requests. Rings come in as tensors.
+What this module must not know: scheduling, requests. The rings are the paged cache's
+(lib/runtime/paged_cache.py): propose reads them through a draft batch's addressing.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from lib.records.batch import Batch
+from lib.records.batch import Batch, positions_of
 from lib.runtime.loaded_model import Model
-from lib.records.decode_state import LayerCache
 
 # choose(logits [S, V] fp32, k) -> (ids [S] int64, probs [S, V] fp32 or None at temperature 0)
 Choose = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
@@ -61,21 +61,20 @@ def context_rows(model: Model, hidden: torch.Tensor, positions: torch.Tensor) ->
                 for layer, lp in zip(model.stages, params.drafter)]
 
 
-def propose(model: Model, anchors: list[int], starts: list[int], rings: list[list[torch.Tensor]],
-            choose: Choose) -> DraftBlock:
+def propose(model: Model, anchors: list[int], store, seq_ids: list, choose: Choose) -> DraftBlock:
     """Draft gamma tokens after each sequence's anchor.
 
-    anchors[s]: the token sampled for position starts[s] (= the sequence's committed length L),
-    not yet seen by the target; rings[s][stage] [<= W, head_dim]: that stage's ring over committed
-    positions [L - W, L), oldest first."""
+    anchors[s]: the token sampled for position L_s (the sequence's committed length in `store`),
+    not yet seen by the target; `store`: the paged cache whose drafter rings hold each stage's rows
+    of committed positions [L - W, L)."""
     cfg, gamma = model.cfg, block_size(model)
     noise = cfg.dspark_noise_token_id          # from the config, never 0 (B15)
+    starts = [store.length(s) for s in seq_ids]
     tokens = torch.tensor([t for a in anchors for t in [a] + [noise] * (gamma - 1)], dtype=torch.int64)
-    positions = torch.tensor([s + i for s in starts for i in range(gamma)], dtype=torch.int64)
-    batch = Batch(tokens, positions, (gamma,) * len(anchors), tuple(starts))
-    stage_caches = [LayerCache([r[stage] for r in rings], None, None) for stage in range(len(model.stages))]
+    batch = store.ring_address(seq_ids, Batch(tokens, positions_of((gamma,) * len(anchors), starts),
+                                              (gamma,) * len(anchors), tuple(starts)))
     with torch.inference_mode():
-        base, y = model.module.draft(model.params, batch, stage_caches, cfg, model.rope)
+        base, y = model.module.draft(model.params, batch, store.rings, cfg, model.rope)
     return _markov(model, base.float().unflatten(0, (len(anchors), gamma)),
                    y.float().unflatten(0, (len(anchors), gamma)), torch.tensor(anchors), choose)
 

@@ -10,7 +10,9 @@ from typing import Iterator
 import torch
 
 from lib.records.batch import make_batch
-from lib.runtime.loaded_model import Model, step
+from lib.runtime.loaded_model import Model
+from lib.runtime.paged_cache import PagedCache
+from lib.runtime.paged_step import paged_step, prefill_logits
 
 
 def greedy(model: Model, prompt_ids: list[int], max_tokens: int, stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
@@ -21,15 +23,16 @@ def greedy(model: Model, prompt_ids: list[int], max_tokens: int, stop_ids: froze
     if len(prompt_ids) + max_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_tokens}) exceeds "
                          f"max_position_embeddings ({limit})")
-    caches = [model.new_cache()]
-    logits, caches = step(model, make_batch([prompt_ids], last_only=True), caches)
+    store = PagedCache.for_lengths(model, [len(prompt_ids) + max_tokens])
+    store.add(0)
+    (logits,) = paged_step(model, make_batch([prompt_ids], last_only=True), store, [0])
     position = len(prompt_ids)
     for _ in range(max_tokens):
         token = int(torch.argmax(logits[-1]))
         yield token
         if token in stop_ids:
             return
-        logits, caches = step(model, make_batch([[token]], [position], last_only=True), caches)
+        (logits,) = paged_step(model, make_batch([[token]], [position], last_only=True), store, [0])
         position += 1
 
 
@@ -40,5 +43,4 @@ def all_logits(model: Model, ids: list[int]) -> torch.Tensor:
     bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size {model.cfg.vocab_size})")
-    logits, _ = step(model, make_batch([ids]), [model.new_cache()])
-    return logits
+    return prefill_logits(model, ids)

@@ -4,8 +4,9 @@ Each step the scheduler picks work (decodes first, then prefill chunks); request
 phase get DSpark drafts; ONE target forward scores every fed token over the paged cache without
 committing; then each request's rows are sampled (prefill end, plain decode) or verified (drafts),
 and only what was accepted is committed. Rejected positions are never committed, so they leave
-no trace (lib/runtime/paged_cache.py keeps every piece of state keyed by position). Drafter rings are written
-from the target's own features of committed positions only.
+no trace (lib/runtime/paged_cache.py: rings keep `slack` rows past what the committed length reads, and
+entries past it are never read). Drafter rings are written from the target's own features of
+committed positions only.
 
 Must not know: HTTP, chat formats. The server drives `step()` from its own loop.
 """
@@ -32,18 +33,18 @@ class EngineConfig(NamedTuple):
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None        # default: the model's max_position_embeddings
-    num_blocks: int | None = None           # tokens-group physical blocks (default: max_num_seqs full contexts)
+    num_blocks: int | None = None           # context blocks of block_tokens positions (default: max_num_seqs full contexts)
     speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
 
 
-def dspark_drafter(model: Model, requests: list[Request], rings: list[list[torch.Tensor]],
-                   choose) -> dspark.DraftBlock:
+def dspark_drafter(model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
     """The checkpoint's own DSpark drafter: gamma tokens after each request's last sampled token.
 
     A drafter is any callable of this signature (the engine takes one as an argument): it sees the
-    requests in the order of the draft plan, each stage's ring per request, and `choose`, the
-    requests' own sampling rules, and returns one DraftBlock row per request."""
-    return dspark.propose(model, [r.output[-1] for r in requests], [r.computed for r in requests], rings, choose)
+    requests in the order of the draft plan, the paged cache (whose rings hold every stage's rows
+    of each request's committed positions), and `choose`, the requests' own sampling rules, and
+    returns one DraftBlock row per request."""
+    return dspark.propose(model, [r.output[-1] for r in requests], store, [r.id for r in requests], choose)
 
 
 class Engine:
@@ -59,7 +60,8 @@ class Engine:
         self.gamma = dspark.block_size(model) if self.speculative else 0
         blocks = config.num_blocks or engine_cache.blocks_for(model, config.max_num_seqs,
                                                               self.max_model_len + self.gamma + 1)
-        self.store = engine_cache.make_store(model, blocks, config.max_num_seqs, rings=self.speculative)
+        self.store = engine_cache.make_store(model, blocks, config.max_num_seqs, rings=self.speculative,
+                                             slack=1 + self.gamma)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, self.gamma), self.store)
         self.requests: dict[str, Request] = {}
@@ -182,15 +184,13 @@ class Engine:
         first = max(start, length - self.model.cfg.sliding_window)
         if hidden is not None and first < length:
             rows = dspark.context_rows(self.model, hidden[first - start: length - start], torch.arange(first, length))
-            engine_cache.write_draft_rows(self.store, self.model, req.id, first, rows)
+            engine_cache.write_draft_rows(self.store, req.id, first, rows)
         req.computed = length
-        self.store.release_old(req.id)
 
     def _draft(self, plan: list[Scheduled]) -> dict[str, "_Draft"]:
         if not plan:
             return {}
         reqs = [s.request for s in plan]
-        rings = [engine_cache.draft_rings(self.store, self.model, r.id) for r in reqs]
 
         def choose(logits: torch.Tensor, k: int):
             ids, probs = [], []
@@ -200,7 +200,7 @@ class Engine:
                 probs.append(p[0])
             return torch.tensor(ids), torch.stack(probs)
 
-        block = self.drafter(self.model, reqs, rings, choose)
+        block = self.drafter(self.model, reqs, self.store, choose)
         return {r.id: _Draft(block.tokens[i, : s.drafts].tolist(), block.probs[i, : s.drafts])
                 for i, (r, s) in enumerate(zip(reqs, plan))}
 

@@ -1,21 +1,18 @@
 """The batch record every generated `forward` takes: sequences' new tokens concatenated.
 
-Token-parallel ops (linears, norms, MoE) see one flat [T] axis; ops that touch per-sequence
-state (compressors, indexer, attention) walk `segments()`. Sequence layout is host metadata
-(Python ints), so reading it never syncs the device.
+Token-parallel ops (linears, norms, MoE) see one flat [T] axis; ops that touch decode state
+(compressors, indexer, attention) address it through `state`, an Addressing record of tensors
+(row -> sequence, slots, block tables, slot mappings: lib/records/addressing.py), so they run
+batch-wide with no loop over sequences. `seq_lens` / `starts` are host copies of the layout for
+the host's own bookkeeping (scheduling, splitting outputs); ops never branch on them per sequence.
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-
-class Segment(NamedTuple):
-    index: int      # sequence number within the batch
-    lo: int         # first row of this sequence in the flat token axis
-    hi: int         # one past its last row
-    start: int      # tokens already in this sequence's cache (= position of row lo)
+from lib.records.addressing import Addressing
 
 
 class Batch(NamedTuple):
@@ -24,12 +21,7 @@ class Batch(NamedTuple):
     seq_lens: tuple[int, ...]   # new tokens per sequence
     starts: tuple[int, ...]     # cached tokens per sequence before this step
     logit_rows: torch.Tensor | None = None   # [R] rows whose logits to compute; None = every row
-
-    def segments(self) -> Iterator[Segment]:
-        lo = 0
-        for i, (n, start) in enumerate(zip(self.seq_lens, self.starts)):
-            yield Segment(i, lo, lo + n, start)
-            lo += n
+    state: Addressing | None = None          # where the sequences' decode state lives (PagedCache.address)
 
 
 def make_batch(chunks: list[list[int]], starts: list[int] | None = None, last_only: bool = False) -> Batch:
@@ -42,10 +34,17 @@ def make_batch(chunks: list[list[int]], starts: list[int] | None = None, last_on
     if any(len(c) == 0 for c in chunks):
         raise ValueError("every sequence in a batch needs at least one new token")
     tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-    positions = torch.tensor([s + i for c, s in zip(chunks, starts) for i in range(len(c))], dtype=torch.int64)
     lens = tuple(len(c) for c in chunks)
+    positions = positions_of(lens, starts)
     rows = None
     if last_only:
-        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        rows = torch.tensor(ends, dtype=torch.int64)
+        rows = torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1
     return Batch(tokens, positions, lens, tuple(starts), rows)
+
+
+def positions_of(seq_lens, starts) -> torch.Tensor:
+    """[T] int64 positions start_s .. start_s + n_s - 1 of every sequence, concatenated."""
+    lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+    first = torch.tensor(list(starts), dtype=torch.int64) - torch.cat((torch.zeros(1, dtype=torch.int64),
+                                                                        lens.cumsum(0)[:-1]))
+    return torch.arange(int(lens.sum())) + first.repeat_interleave(lens)

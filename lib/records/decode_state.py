@@ -1,44 +1,42 @@
-"""Per-sequence decode state of the reference runtime (DSV4-REFERENCE §3.12), as plain records.
+"""Decode state as the generated forward sees it: pools, not per-sequence copies (DSV4-REFERENCE §3.12).
 
-Records are immutable: a forward returns new records and never mutates the ones passed in, so a
-caller can keep the old state (speculative decoding rewinds by simply keeping it). Paged storage
-of the same state for devices is a runtime concern layered on top; these records are its meaning.
+`StateItem` is one entry of the state declaration (spec/state.yaml, rendered into each backend's
+generated package as `STATE`); lib/runtime/paged_cache.py allocates one pool per item and layer.
+A layer's pools come in as a `LayerPools` record; the ops write into them in place (scatters by
+slot) and read them by slot or block table (lib/records/addressing.py), so nothing is copied out
+per sequence and back. Knows no allocation and no scheduling.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 
-class CompressorState(NamedTuple):
-    """One compressor (the attention's, or the CSA indexer's own) of one sequence."""
-    buf_kv: torch.Tensor     # [b, C] projections A of the incomplete window's tokens, b = length % m
-    buf_gate: torch.Tensor   # [b, C] gate logits Z + ape of those tokens
-    prev_kv: torch.Tensor    # [m or 0, Dc] CSA: "a" half of the last complete window (overlap); [0, Dc] before the first and always for HCA
-    prev_gate: torch.Tensor  # [m or 0, Dc]
-    entries: torch.Tensor    # [E, Dc] compressed entries so far, normalised, RoPE applied; E = length // m
-    # This call's new positions' projections, fp32: the per-position rows paged storage keeps
-    # (lib/runtime/paged_cache.py rebuilds every field above from them, the committed length and the entries).
-    # Not read by the ops; empty on a state that no compress call produced.
-    rows_kv: torch.Tensor = torch.zeros(0, 0)     # [n, C] A of the n new positions
-    rows_gate: torch.Tensor = torch.zeros(0, 0)   # [n, C] Z + ape of the n new positions
+class StateItem(NamedTuple):
+    """One declared piece of decode state (spec/state.yaml says what each field means)."""
+    name: str                                   # "window", "comp.kv", "comp.entries", ...
+    kinds: tuple[str, ...]                      # attention kinds that keep it
+    lifetime: str                               # "sequence" (ring rows in a per-sequence slot) | "entry"
+    rows: Callable[..., int] | None             # (cfg, ratio, slack) -> ring rows; None for entry lifetime
+    dim: Callable[..., int]                     # (cfg, ratio, slack) -> row width
+    dtype: str                                  # "compute" | "float32"
 
 
-class LayerCache(NamedTuple):
-    window: torch.Tensor             # [<= sliding_window, head_dim] raw KV of the latest positions, oldest first
-    comp: CompressorState | None     # CSA / HCA layers
-    index: CompressorState | None    # CSA layers: the indexer's keys
+class CompressorPools(NamedTuple):
+    """One compressor's state in one layer: its rings of per-position projections and its entries."""
+    kv: torch.Tensor         # [max_seqs + 1, R, C] fp32 projections A; position p in row p % R of its slot
+    gate: torch.Tensor       # [max_seqs + 1, R, C] fp32 gate logits Z + ape, same rows
+    entries: torch.Tensor    # [blocks * block_tokens, Dc] compressed entries, by the block table of `ratio`
+    ratio: int
 
 
-class SeqCache(NamedTuple):
-    length: int                      # tokens already folded into this state
-    layers: tuple[LayerCache, ...]   # one per backbone layer, schedule order
+class LayerPools(NamedTuple):
+    """A block's decode state: what the generated forward reads as `cache.<field>`."""
+    window: torch.Tensor | None         # [max_seqs + 1, R, D] raw KV ring (a drafter stage: its context ring)
+    comp: CompressorPools | None        # CSA / HCA layers
+    index: CompressorPools | None       # CSA layers: the indexer's compressor and keys
 
 
-def empty_compressor(channels: int, entry_dim: int, entry_dtype=torch.float32) -> CompressorState:
-    f32 = torch.float32
-    return CompressorState(torch.zeros(0, channels, dtype=f32), torch.zeros(0, channels, dtype=f32),
-                           torch.zeros(0, entry_dim, dtype=f32), torch.zeros(0, entry_dim, dtype=f32),
-                           torch.zeros(0, entry_dim, dtype=entry_dtype),
-                           torch.zeros(0, channels, dtype=f32), torch.zeros(0, channels, dtype=f32))
+def items_for(state: tuple[StateItem, ...], kind: str) -> tuple[StateItem, ...]:
+    return tuple(item for item in state if kind in item.kinds)

@@ -1,8 +1,8 @@
-"""Loading a checkpoint into a backend and stepping its generated forward over per-sequence state.
+"""Loading a checkpoint into a backend: the immutable `Model` the runtime steps.
 
 `load_model` opens and validates the checkpoint, converts weights with the backend's generated
-loader and returns an immutable `Model`; `step` runs one batch (any mix of prefill chunks and
-decode tokens) and returns logits with the sequences' new caches. Sampling and scheduling live
+loader and returns a `Model` carrying the generated forward, the profile facts and the decode-state
+declaration; lib/runtime/paged_step.py steps it over a paged cache. Sampling and scheduling live
 elsewhere; this module must not know about requests.
 """
 from __future__ import annotations
@@ -16,13 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lib.records.batch import Batch
 from lib.weights.checkpoint import Checkpoint
 from lib.distributed.process_group import SINGLE, Parallel, check_sizes
 from lib.weights.params import LoadOptions
 from lib.runtime.rope_tables import rope_tables
-from lib.records.decode_state import LayerCache, SeqCache, empty_compressor
-from spec.config import ModelConfig, RankConfig
+from spec.config import RankConfig
 from spec.schedule import LayerInfo, drafter_kind
 
 
@@ -45,6 +43,7 @@ class Model(NamedTuple):
     facts: BackendFacts
     drafter_kind: str                # "dspark" | "mtp" | "none", from the checkpoint's schedule
     module: Any = None               # the backend's generated model module (drafter programs live there)
+    state: tuple = ()                # the decode-state declaration (StateItem records, generated STATE)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -60,9 +59,6 @@ class Model(NamedTuple):
         """The drafter stages' schedule (empty without a drafter)."""
         return self.params.drafter_layers
 
-    def new_cache(self) -> SeqCache:
-        return new_cache(self.layers, self.cfg, self.state_dtype)
-
 
 class Generated(NamedTuple):
     """A backend's generated package: the checked-in one, or a temporary rendering (conformance's
@@ -70,6 +66,11 @@ class Generated(NamedTuple):
     package: ModuleType              # the profile facts (COMPUTE_DTYPE, CACHE_*, EP_DISPATCH)
     model: ModuleType                # forward and the drafter programs
     loader: ModuleType               # load(ckpt, progress, options) -> Params
+
+    @property
+    def state(self) -> tuple:
+        """The decode-state declaration rendered from spec/state.yaml (StateItem records)."""
+        return self.package.STATE
 
     @property
     def facts(self) -> BackendFacts:
@@ -128,56 +129,4 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
                         ep_rank=parallel.ep_rank, tp_group=parallel.tp_group, ep_group=parallel.ep_group)
     params = code.loader.load(ckpt, progress=progress, options=options)
     return Model(backend, cfg, params, rope_tables(ckpt.config), code.model.forward, Path(path), facts,
-                 drafter_kind(ckpt.config), code.model)
-
-
-def new_cache(schedule: tuple[LayerInfo, ...], cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> SeqCache:
-    """The state of a sequence with no tokens yet (one record per backbone layer of `schedule`);
-    windows and entries in `dtype`, compressor buffers in fp32 (they feed a softmax)."""
-    layers = []
-    for layer in schedule:
-        window = torch.zeros(0, cfg.head_dim, dtype=dtype)
-        comp = index = None
-        if layer.attention == "csa":
-            comp = empty_compressor(2 * cfg.head_dim, cfg.head_dim, entry_dtype=dtype)
-            index = empty_compressor(2 * cfg.index_head_dim, cfg.index_head_dim, entry_dtype=dtype)
-        elif layer.attention == "hca":
-            comp = empty_compressor(cfg.head_dim, cfg.head_dim, entry_dtype=dtype)
-        layers.append(LayerCache(window, comp, index))
-    return SeqCache(0, tuple(layers))
-
-
-def _by_layer(caches: list[SeqCache], n_layers: int) -> tuple[LayerCache, ...]:
-    """Per-sequence caches -> per-layer records whose fields are per-sequence lists."""
-    out = []
-    for i in range(n_layers):
-        rows = [c.layers[i] for c in caches]
-        comp = [r.comp for r in rows] if rows[0].comp is not None else None
-        index = [r.index for r in rows] if rows[0].index is not None else None
-        out.append(LayerCache([r.window for r in rows], comp, index))
-    return tuple(out)
-
-
-def _by_sequence(layers: tuple[LayerCache, ...], old: list[SeqCache], batch: Batch) -> list[SeqCache]:
-    out = []
-    for s, cache in enumerate(old):
-        per_layer = tuple(LayerCache(lay.window[s], lay.comp[s] if lay.comp is not None else None,
-                                     lay.index[s] if lay.index is not None else None) for lay in layers)
-        out.append(SeqCache(cache.length + batch.seq_lens[s], per_layer))
-    return out
-
-
-def step(model: Model, batch: Batch, caches: list[SeqCache], *, with_hidden: bool = False):
-    """One forward over a batch; caches[s] must hold exactly batch.starts[s] tokens.
-
-    Returns (logits, new caches), plus main_hidden [T, k*d] (the DSpark context features of
-    every row, None without a drafter) when `with_hidden`."""
-    for s, cache in enumerate(caches):
-        if cache.length != batch.starts[s]:
-            raise ValueError(f"sequence {s}: cache holds {cache.length} tokens but the batch continues at "
-                             f"position {batch.starts[s]}")
-    with torch.inference_mode():
-        logits, layers, hidden = model.forward(model.params, batch, _by_layer(caches, model.cfg.num_hidden_layers),
-                                               model.cfg, model.rope)
-    new = _by_sequence(layers, caches, batch)
-    return (logits, new, hidden) if with_hidden else (logits, new)
+                 drafter_kind(ckpt.config), code.model, code.state)

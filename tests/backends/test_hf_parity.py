@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.cpu.ops import attention, moe
+from backends.cpu.ops import indexer, moe
 from codegen.lower import Rewrite
 from helpers import TINY_B, prefill_logits, prompt_ids
 from lib.porting.rendering import rendered
@@ -43,14 +43,11 @@ def _margins(recorded) -> dict[str, list[float]]:
     for _, op, args, kw, _ in recorded:
         if op == "index_select":
             q, weights, batch, keys = args
-            for seg in batch.segments():
-                scores = attention.index_scores(q[seg.lo:seg.hi], weights[seg.lo:seg.hi], keys[seg.index],
-                                                batch.positions[seg.lo:seg.hi], ratio=kw["ratio"],
-                                                weight_scale=kw["weight_scale"])
-                for row in scores.sort(dim=-1, descending=True).values:
-                    finite = row[torch.isfinite(row)]
-                    if finite.numel() > kw["topk"]:
-                        gaps["indexer"].append((finite[kw["topk"] - 1] - finite[kw["topk"]]).item())
+            scores = indexer.all_scores(q, weights, batch, keys, ratio=kw["ratio"], weight_scale=kw["weight_scale"])
+            for row in scores.sort(dim=-1, descending=True).values:
+                finite = row[torch.isfinite(row)]
+                if finite.numel() > kw["topk"]:
+                    gaps["indexer"].append((finite[kw["topk"] - 1] - finite[kw["topk"]]).item())
         elif op == "route_learned":
             x, gate, bias = args
             top = (moe._scores(x, gate) + bias.double()).sort(dim=-1, descending=True).values

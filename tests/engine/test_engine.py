@@ -59,23 +59,19 @@ def _scripted_drafter(continuation):
 
 
 def _views_at(model, prompt, speculative: str, length: int, drafter=None):
-    """Dense cache records of a request once it has committed exactly `length` positions."""
+    """The rows a request's committed length can read, once it has committed exactly `length` positions."""
     engine = _engine(model, drafter, speculative=speculative, max_num_seqs=1)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=200))
     while engine.requests[rid].computed < length:
         engine.step()
     req = engine.requests[rid]
-    return req.computed, engine.store.views([rid])[0], req, engine
+    return req.computed, engine.store.live_rows(rid), req, engine
 
 
-def _same_views(a, b) -> bool:
-    for la, lb in zip(a.layers, b.layers):
-        if not torch.equal(la.window, lb.window):
-            return False
-        for sa, sb in ((la.comp, lb.comp), (la.index, lb.index)):
-            if sa is not None and not all(torch.equal(x, y) for x, y in zip(sa[:5], sb[:5])):
-                return False
-    return a.length == b.length
+def _same_views(a: dict, b: dict) -> bool:
+    """The backbone rows two caches can still read are identical (the drafter rings exist in one only)."""
+    keys = [k for k in b if k.startswith("layer")]
+    return bool(keys) and all(torch.equal(a[k], b[k]) for k in keys)
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "wrong"])

@@ -1,94 +1,83 @@
 """Reference lightning-indexer selection and sparse attention with sink (DSV4-REFERENCE §3.6-3.9).
 
 A query at position t attends to the raw KV of positions t-W+1..t plus compressed entries: all
-complete ones (HCA) or the indexer's top-k among them (CSA); one softmax with the per-head sink
-in the denominator. Keys are values (single shared KV head). Scores and softmax run in fp64
-and round to fp32, so a query's result does not depend on how many other queries share its
-chunk (see backends/cpu/ops/basic.py).
+complete ones (HCA) or the indexer's top-k among them (CSA, gathered: only the selected rows are
+read); one softmax with the per-head sink in the denominator. Keys are values (single shared KV
+head). Every query gets its own keys in one canonical layout (its W window slots, then its
+entries in id order), read from this step's rows or the pools, so its result does not depend on
+how many other queries share its batch or chunk. Scores and softmax run in fp64 and round to
+fp32 (see backends/cpu/ops/basic.py).
 """
 from __future__ import annotations
 
 import torch
 
 from backends.cpu.ops import indexer
-from backends.cpu.ops.indexer import index_scores
 from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
 
+# HCA entries attended per block: a [T, block, D] gather per step whatever the context length.
+HCA_BLOCK = 256
 
-def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: list[torch.Tensor], *,
+
+def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Tensor, *,
                  topk: int, ratio: int, weight_scale: float, group=None) -> torch.Tensor:
     """Top-k compressed entries per query (§3.8) -> [T, topk] sequence-local entry ids, -1 = none.
 
     q [T, Hi, Di] indexer queries (RoPE applied); weights [T, Hi] head weights (W_iw h), scaled
-    by `weight_scale` = Di^-1/2 * Hi^-1/2; keys[s] [E_s, Di] the sequence's indexer entries.
-    """
+    by `weight_scale` = Di^-1/2 * Hi^-1/2; keys: the indexer's entry pool."""
     # Under TP every rank gathers all heads and scores them in one process's order, so TP selects
     # exactly what one process selects (partial head sums all-reduced would round differently).
     q, weights = parallel.gather_heads(q, weights, group)
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
-    for seg in batch.segments():
-        k = keys[seg.index]
-        if k.shape[0] == 0:
-            continue
-        args = (q[seg.lo:seg.hi], weights[seg.lo:seg.hi], k, batch.positions[seg.lo:seg.hi])
-        if indexer.worth_screening(seg.hi - seg.lo, k.shape[0], topk):       # by shape only: decode never
-            picked, valid = indexer.screened_topk(*args, topk=topk, ratio=ratio, weight_scale=weight_scale)
-        else:
-            picked, valid = indexer.top_entries(index_scores(*args, ratio=ratio, weight_scale=weight_scale),
-                                                min(topk, k.shape[0]))                # [n, k']
-        out[seg.lo:seg.hi, : picked.shape[1]] = torch.where(valid, picked, -1)
-    return out
+    return indexer.select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: list[torch.Tensor],
-                     entries: list[torch.Tensor] | None, selection: torch.Tensor | None,
+def window_keys(kv: torch.Tensor, batch: Batch, pool: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's window slots: keys [T, W, D] (slot k holds position t-W+1+k) and which exist [T, W]."""
+    addr = batch.state
+    pos = batch.positions[:, None] - window + 1 + torch.arange(window)                  # [T, W]
+    src = addr.sources(addr.row_seq[:, None].expand_as(pos), pos, pool.shape[1])
+    keys = torch.cat((pool.view(-1, pool.shape[-1]).to(kv.dtype), kv))[src]
+    return keys, pos >= 0
+
+
+def store_window(kv: torch.Tensor, batch: Batch, pool: torch.Tensor) -> torch.Tensor:
+    """This step's KV rows into the sequences' window rings (after every read of them)."""
+    rows = batch.state.ring_writes(batch.positions, pool.shape[1])
+    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, kv.to(pool.dtype))
+    return pool
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: torch.Tensor,
+                     entries: torch.Tensor | None, selection: torch.Tensor | None,
                      sink: torch.Tensor, *, window: int, ratio: int):
-    """Attention over window + compressed entries; returns (o [T, H, D], new windows).
+    """Attention over window + compressed entries; returns (o [T, H, D], the window pool).
 
-    q [T, H, D] and kv [T, D] with RoPE applied; windows[s] [<=W, D] raw KV of the positions just
-    before this step; entries[s] [E_s, D] (None for sliding layers); selection [T, k] from
-    `index_select` (CSA) or None (HCA: every complete entry).
-    """
-    d = q.shape[-1]
-    out = torch.empty(q.shape, dtype=torch.float32)
-    new_windows = []
-    for seg in batch.segments():
-        old = windows[seg.index].float()
-        keys = torch.cat((old, kv[seg.lo:seg.hi].float()))                       # [nw + n, D]
-        key_pos = torch.arange(seg.start - old.shape[0], seg.start + seg.hi - seg.lo)
-        pos = batch.positions[seg.lo:seg.hi]
-        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
-        if entries is not None and selection is None:                           # HCA: every complete entry
-            comp = entries[seg.index].float()
-            visible = torch.arange(comp.shape[0])[None, :] < ((pos + 1) // ratio)[:, None]
-            keys = torch.cat((keys, comp))
-            mask = torch.cat((mask, visible), dim=1)
-        qs, keys = q[seg.lo:seg.hi].double(), keys.double()
-        logits = torch.where(mask[:, None, :], torch.einsum("thd,kd->thk", qs, keys) / d ** 0.5, float("-inf"))
-        if selection is None:
-            o = _softmax_with_sink(logits, sink.double()) @ keys
-        else:
-            # CSA: score each query's k selected entries only, gathered per query. Scoring every
-            # entry and masking all but k would grow a chunk's work with the context (E = L / 4).
-            picked, chosen = _selected(entries[seg.index], selection[seg.lo:seg.hi], pos, ratio)
-            sel_logits = torch.einsum("thd,tkd->thk", qs, picked) / d ** 0.5    # [n, H, k]
-            sel_logits = torch.where(chosen[:, None, :], sel_logits, float("-inf"))
-            p = _softmax_with_sink(torch.cat((logits, sel_logits), dim=-1), sink.double())
-            o = p[..., : keys.shape[0]] @ keys + torch.einsum("thk,tkd->thd", p[..., keys.shape[0]:], picked)
-        out[seg.lo:seg.hi] = o.float()
-        new_windows.append(torch.cat((old, kv[seg.lo:seg.hi].float()))[-window:])
-    return out, new_windows
-
-
-def _selected(comp: torch.Tensor, selection: torch.Tensor, pos: torch.Tensor, ratio: int):
-    """Each query's selected entries [n, k, D] (fp64) and which of them count [n, k]: a real
-    selection (not -1) of an entry already complete at the query's position."""
-    if comp.shape[0] == 0:
-        none = torch.zeros_like(selection, dtype=torch.bool)
-        return torch.zeros(*selection.shape, comp.shape[-1], dtype=torch.float64), none
-    ids = selection.clamp(min=0)
-    return comp.double()[ids], (selection >= 0) & (ids < ((pos + 1) // ratio)[:, None])
+    q [T, H, D] and kv [T, D] with RoPE applied; windows: the window ring pool; entries: the
+    compressor's entry pool (None for sliding layers); selection [T, k] from `index_select`
+    (CSA) or None (HCA: every complete entry)."""
+    addr, d = batch.state, q.shape[-1]
+    seq, limit = addr.row_seq, (batch.positions + 1) // ratio if ratio else None
+    keys, mask = window_keys(kv, batch, windows, window)
+    parts = [(keys.double(), mask)]
+    if entries is not None and selection is not None:                   # CSA: the selected rows only
+        rows = addr.entry_rows(ratio, seq[:, None].expand_as(selection).reshape(-1), selection.reshape(-1))
+        picked = entries[rows].view(*selection.shape, -1).double()                     # [T, k, D]
+        parts.append((picked, (selection >= 0) & (selection < limit[:, None])))
+    elif entries is not None:                                           # HCA: every complete entry
+        for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
+            ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64)
+            rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(seq.shape[0]))
+            parts.append((entries[rows].view(seq.shape[0], ids.shape[0], -1).double(), ids[None, :] < limit[:, None]))
+    qd = q.double()
+    logits = torch.cat([torch.where(m[:, None, :], torch.einsum("thd,tkd->thk", qd, k) / d ** 0.5, float("-inf"))
+                        for k, m in parts], dim=-1)
+    p = _softmax_with_sink(logits, sink.double())
+    o, at = torch.zeros_like(qd), 0
+    for k, _ in parts:
+        o = o + torch.einsum("thk,tkd->thd", p[..., at:at + k.shape[1]], k)
+        at += k.shape[1]
+    return o.float(), store_window(kv, batch, windows)
 
 
 def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

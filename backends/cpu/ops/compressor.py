@@ -1,8 +1,10 @@
-"""Reference KV compressor (DSV4-REFERENCE §3.7, §3.8 for the indexer's own), with decode state.
+"""Reference KV compressor (DSV4-REFERENCE §3.7, §3.8 for the indexer's own) over paged state.
 
-Each sequence's compressor folds its new tokens into the buffered partial window, emits one entry
-per window that completes, and keeps the remainder (and, overlapping CSA, the last full window's
-"a" half) for the next call — so prefill in any chunking equals one long prefill (§3.12, L24).
+Every step projects A = W_kv h and Z = W_gate h + ape[t mod m] for its tokens; each entry a token
+completes (batch.state.writes: entry e by position (e + 1) m - 1) pools its window's rows, read
+from this step's rows or from the sequence's ring of earlier ones, so prefill in any chunking
+equals one long prefill (§3.12, L24). Then the step's rows go into the ring. No loop over
+sequences or windows: one gather of [K, span] rows for the K entries of the whole batch.
 """
 from __future__ import annotations
 
@@ -11,63 +13,57 @@ import torch
 from backends.cpu.ops.basic import rms_norm
 from backends.cpu.ops.rope import rope
 from lib.records.batch import Batch
-from lib.records.decode_state import CompressorState
+from lib.records.decode_state import CompressorPools
 
 
-def compress(h: torch.Tensor, batch: Batch, states: list[CompressorState], wkv: torch.Tensor,
-             wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, *, ratio: int, overlap: bool,
-             eps: float, inv_freq: torch.Tensor, rope_dim: int) -> list[CompressorState]:
-    """h [T, d] -> new per-sequence states with entries appended; rows_kv / rows_gate carry this
-    call's A and Z + ape rows [n, C] fp32 (what paged storage keeps per position).
+def window_rows(a_all: torch.Tensor, z_all: torch.Tensor, batch: Batch, pools: CompressorPools, *, ratio: int,
+                overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows each new entry pools: (kv [K, S, Dc], gate [K, S, Dc], valid [K, S]) with S = 2m
+    overlapping (window e-1's "a" half, then window e's "b" half) or m. Slots before position 0
+    (the first window's missing left half) are not valid."""
+    addr, c = batch.state, a_all.shape[-1]
+    writes, ring = addr.writes[ratio], pools.kv.shape[1]
+    span = 2 * ratio if overlap else ratio
+    q = (writes.ids * ratio - (span - ratio))[:, None] + torch.arange(span)              # [K, S] positions
+    src = addr.sources(writes.seq[:, None].expand_as(q), q, ring)
+    kv = torch.cat((pools.kv.view(-1, c), a_all))[src]                                    # [K, S, C]
+    gate = torch.cat((pools.gate.view(-1, c), z_all))[src]
+    if overlap:
+        dc = c // 2
+        kv = torch.cat((kv[:, :ratio, :dc], kv[:, ratio:, dc:]), dim=1)                   # [K, 2m, Dc]
+        gate = torch.cat((gate[:, :ratio, :dc], gate[:, ratio:, dc:]), dim=1)
+    return kv, gate, q >= 0
+
+
+def store_rows(a_all: torch.Tensor, z_all: torch.Tensor, batch: Batch, pools: CompressorPools) -> None:
+    """This step's projections into the sequences' rings (after every read of them)."""
+    c, ring = a_all.shape[-1], pools.kv.shape[1]
+    rows = batch.state.ring_writes(batch.positions, ring)
+    pools.kv.view(-1, c).index_copy_(0, rows, a_all.to(pools.kv.dtype))
+    pools.gate.view(-1, c).index_copy_(0, rows, z_all.to(pools.gate.dtype))
+
+
+def compress(h: torch.Tensor, batch: Batch, pools: CompressorPools, wkv: torch.Tensor, wgate: torch.Tensor,
+             ape: torch.Tensor, norm: torch.Tensor, *, ratio: int, overlap: bool, eps: float,
+             inv_freq: torch.Tensor, rope_dim: int) -> CompressorPools:
+    """h [T, d] -> the same pools with this step's entries and rows written.
 
     wkv, wgate [C, d] with C = 2*Dc when `overlap` (CSA: series a = [:Dc], b = [Dc:]) else Dc;
-    ape [ratio, C] biases the gate by position within the window.
+    ape [ratio, C] biases the gate by position within the window. Pooling is a softmax over the
+    window's slots per channel in fp64; entries are RMS-normalised and rotated at position m*e.
     """
-    a_all = (h.double() @ wkv.double().t()).float()                   # [T, C]
+    a_all = (h.double() @ wkv.double().t()).float()                                      # [T, C]
     z_all = (h.double() @ wgate.double().t() + ape.double()[batch.positions % ratio]).float()
-    out = []
-    for seg in batch.segments():
-        st = states[seg.index]
-        kv = torch.cat((st.buf_kv, a_all[seg.lo:seg.hi]))               # [b + n, C]
-        gate = torch.cat((st.buf_gate, z_all[seg.lo:seg.hi]))
-        first_window = (seg.start - st.buf_kv.shape[0]) // ratio
-        full = kv.shape[0] // ratio
-        entries, prev_kv, prev_gate = st.entries, st.prev_kv, st.prev_gate
-        if full:
-            wkv_ = kv[: full * ratio].unflatten(0, (full, ratio))          # [W, m, C]
-            wg_ = gate[: full * ratio].unflatten(0, (full, ratio))
-            if overlap:
-                new, prev_kv, prev_gate = _pool_overlapping(wkv_, wg_, prev_kv, prev_gate)
-            else:
-                new = (torch.softmax(wg_.double(), dim=1) * wkv_.double()).sum(dim=1).float()   # [W, Dc]
-            new = rms_norm(new, norm, eps)
-            pos = (first_window + torch.arange(full)) * ratio              # RoPE at each window's first token
-            entries = torch.cat((entries, rope(new, pos, inv_freq, rope_dim)))
-        rest = full * ratio
-        out.append(CompressorState(kv[rest:], gate[rest:], prev_kv, prev_gate, entries,
-                                   a_all[seg.lo:seg.hi], z_all[seg.lo:seg.hi]))
-    return out
+    writes = batch.state.writes[ratio]
+    kv, gate, valid = window_rows(a_all, z_all, batch, pools, ratio=ratio, overlap=overlap)
+    g = gate.double().masked_fill(~valid[:, :, None], float("-inf"))
+    pooled = (torch.softmax(g, dim=1) * kv.double().masked_fill(~valid[:, :, None], 0)).sum(dim=1).float()
+    entries = rope(rms_norm(pooled, norm, eps), writes.ids * ratio, inv_freq, rope_dim)  # [K, Dc]
+    pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
+    store_rows(a_all, z_all, batch, pools)
+    return pools
 
 
-def _pool_overlapping(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor):
-    """CSA pooling: entry w = softmax-gated sum over {a of window w-1} u {b of window w}, per channel.
-
-    kv, gate [W, m, 2*Dc]; prev_* [m or 0, Dc] are the "a" half of the window before these ones
-    (absent for the very first window: those slots get weight zero).
-    """
-    dc = kv.shape[-1] // 2
-    a_kv, b_kv = kv[..., :dc], kv[..., dc:]
-    a_g, b_g = gate[..., :dc], gate[..., dc:]
-    entries = []
-    for w in range(kv.shape[0]):
-        left_kv = prev_kv if w == 0 else a_kv[w - 1]
-        left_g = prev_gate if w == 0 else a_g[w - 1]
-        slots_kv = torch.cat((left_kv, b_kv[w]))                        # [m or 2m, Dc]
-        slots_g = torch.cat((left_g, b_g[w]))
-        entries.append((torch.softmax(slots_g.double(), dim=0) * slots_kv.double()).sum(dim=0).float())
-    return torch.stack(entries), a_kv[-1], a_g[-1]
-
-
-def compressed_entries(states: list[CompressorState]) -> list[torch.Tensor]:
-    """Each sequence's compressed entries [E_s, Dc]."""
-    return [st.entries for st in states]
+def compressed_entries(pools: CompressorPools) -> torch.Tensor:
+    """The compressor's entry pool [blocks * P, Dc] (read through the block table of its ratio)."""
+    return pools.entries

@@ -23,16 +23,28 @@ def context_features(taps: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.cat(taps, dim=-1) if taps else None
 
 
-def dspark_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, rings: list[torch.Tensor],
-                     sink: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], kv [T, D] of the draft blocks; rings[s] [<=W, D] (RoPE applied) -> o [T, H, D].
+def ring_keys(batch: Batch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every draft row's ring: keys [T, W, D] of committed positions L-W..L-1 of its sequence
+    (L = batch.state.seq_start) and which of them exist [T, W]."""
+    addr, w = batch.state, ring.shape[1]
+    seq = addr.row_seq
+    pos = addr.seq_start[seq][:, None] - w + torch.arange(w)                            # [T, W]
+    rows = addr.ring_rows(seq[:, None].expand_as(pos), pos.clamp(min=0), w)
+    return ring.view(-1, ring.shape[-1])[rows], pos >= 0
 
-    Every query of a block sees its whole ring and its whole block: the drafts are predicted
-    jointly, so there is no mask at all (filled ring slots only are passed in)."""
-    d = q.shape[-1]
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for seg in batch.segments():
-        keys = torch.cat((rings[seg.index].double(), kv[seg.lo:seg.hi].double()))        # [r + n, D]
-        logits = torch.einsum("thd,kd->thk", q[seg.lo:seg.hi].double(), keys) / d ** 0.5
-        out[seg.lo:seg.hi] = (_softmax_with_sink(logits, sink.double()) @ keys).float()
-    return out
+
+def dspark_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, rings: torch.Tensor,
+                     sink: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], kv [T, D] of the draft blocks (every sequence's block has the same size);
+    rings: the stage's ring pool -> o [T, H, D].
+
+    Every query of a block sees its sequence's filled ring slots and its whole block: the drafts
+    are predicted jointly, so there is no causal mask."""
+    d, s = q.shape[-1], len(batch.seq_lens)
+    ring, filled = ring_keys(batch, rings)
+    block = kv.double().view(s, -1, kv.shape[-1])                                        # [S, G, D]
+    keys = torch.cat((ring.double(), block[batch.state.row_seq]), dim=1)                # [T, W + G, D]
+    logits = torch.einsum("thd,tkd->thk", q.double(), keys) / d ** 0.5
+    mask = torch.cat((filled, torch.ones(q.shape[0], block.shape[1], dtype=torch.bool)), dim=1)
+    p = _softmax_with_sink(logits.masked_fill(~mask[:, None, :], float("-inf")), sink.double())
+    return torch.einsum("thk,tkd->thd", p, keys).float()

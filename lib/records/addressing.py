@@ -1,0 +1,121 @@
+"""Where a batch's decode state lives: slots, block tables and slot mappings, all as tensors (L19, B12-B14).
+
+A batch (lib/records/batch.py) carries one `Addressing` record. Fixed per-sequence state (windows,
+compressor rings) lives in ring pools [max_seqs + 1, R, C]: a sequence owns slot `seq_slot[s]`,
+position p sits in row p % R, and slot `trash` takes the writes nothing will read (the rows of a
+chunk longer than the ring). Compressed entries live in block pools [blocks * P, C] addressed
+through the sequence's block table of that ratio: table entries are LOGICAL block ids because the
+attention kernel addresses blocks of `logical_block_tokens` positions, so one physical block of P
+appears as f = P // l consecutive ids (310P: 32-token blocks as 16 logical blocks of 2).
+
+The ops use only the functions here to turn (sequence, position) into pool rows; `PagedSites`
+carries the three that field bugs got wrong, so conformance can pass B12-B14 through them.
+Geometry and index arithmetic only: no allocation, no model, no request.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+
+def physical_slots(table: torch.Tensor, seq: torch.Tensor, q: torch.Tensor, block_tokens: int,
+                   logical_block_tokens: int) -> torch.Tensor:
+    """Pool rows [k] int64 of entries q [k] int64 of sequences seq [k] under block tables [S, n] int32.
+
+    logical = table[seq, q // l]; physical = logical // f; offset = (logical % f) * l + q % l;
+    row = physical * P + offset. The factor f comes from the table geometry (P, l), never from
+    request data (B12). Entries past a table (padding of a batch-wide read) land on row 0; the
+    caller masks them."""
+    factor = block_tokens // logical_block_tokens
+    col = (q // logical_block_tokens).clamp(0, max(0, table.shape[1] - 1))
+    logical = table[seq, col].clamp(min=0).to(torch.int64) if table.shape[1] else torch.zeros_like(q)
+    physical = logical // factor
+    offset = (logical % factor) * logical_block_tokens + q % logical_block_tokens
+    return physical * block_tokens + offset
+
+
+def entry_ids(ratio: int, start: int, end: int) -> torch.Tensor:
+    """The entry indices [k] int64 that tokens [start, end) complete: [start // m, end // m) —
+    compressed positions, never the raw positions of the tokens that emitted them (B13)."""
+    return torch.arange(start // ratio, end // ratio, dtype=torch.int64)
+
+
+class GroupTable(NamedTuple):
+    ratio: int
+    table: torch.Tensor      # [S, n] int32 logical block ids of each batch sequence, -1 padding
+
+
+def group_of(tables: tuple[GroupTable, ...], ratio: int) -> GroupTable:
+    """The block tables a layer reads for its entries, picked by the layer's ratio, never by list
+    position (B14)."""
+    for group in tables:
+        if group.ratio == ratio:
+            return group
+    raise ValueError(f"no block table of ratio {ratio} (have: {', '.join(str(g.ratio) for g in tables)})")
+
+
+class PagedSites(NamedTuple):
+    """The paged state's address arithmetic, passed in explicitly (the runtime builds batches with
+    the correct functions; conformance passes field bugs B12-B14 through here)."""
+    physical_slots: Callable = physical_slots    # block table -> pool rows (L19)
+    entry_ids: Callable = entry_ids              # tokens -> the entries they complete
+    group_of: Callable = group_of                # a layer's block tables
+
+
+class EntryWrites(NamedTuple):
+    """The compressed entries a step completes, for one ratio (each compressor of that ratio
+    writes one row per entry)."""
+    rows: torch.Tensor       # [K] int64 token row whose position completes the entry
+    seq: torch.Tensor        # [K] int64 its batch sequence
+    ids: torch.Tensor        # [K] int64 entry index within the sequence
+    slots: torch.Tensor      # [K] int64 pool row it is written to
+
+
+class Addressing(NamedTuple):
+    row_seq: torch.Tensor             # [T] int64 batch sequence of each token row
+    seq_slot: torch.Tensor            # [S] int64 each sequence's slot in the ring pools
+    seq_start: torch.Tensor           # [S] int64 committed positions before this step
+    seq_end: torch.Tensor             # [S] int64 start + new tokens
+    seq_lo: torch.Tensor              # [S] int64 first token row of each sequence (cu_seqlens[:-1])
+    tables: tuple[GroupTable, ...]    # one per entry ratio
+    writes: dict                      # ratio -> EntryWrites of this step
+    max_entries: dict                 # ratio -> entries of the longest sequence at seq_end (read shapes)
+    trash: int                        # the ring slot that takes unread writes (= max_seqs)
+    block_tokens: int
+    logical_block_tokens: int
+    sites: PagedSites = PagedSites()
+
+    # ---- entries (block pools) -------------------------------------------------------------
+    def entry_rows(self, ratio: int, seq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Pool rows [k] of entries ids [k] (clamped at 0; mask them yourself) of sequences seq [k]."""
+        table = self.sites.group_of(self.tables, ratio).table
+        return self.sites.physical_slots(table, seq, ids.clamp(min=0), self.block_tokens, self.logical_block_tokens)
+
+    def seq_entries(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry of every batch sequence at its end: (pool rows [S, E], ids [S, E]) with
+        E = max_entries[ratio]; ids >= seq_end // ratio are padding (row 0)."""
+        n, s = self.max_entries[ratio], self.seq_slot.shape[0]
+        ids = torch.arange(n, dtype=torch.int64).expand(s, n)
+        seq = torch.arange(s, dtype=torch.int64)[:, None].expand(s, n)
+        return self.entry_rows(ratio, seq.reshape(-1), ids.reshape(-1)).view(s, n), ids
+
+    # ---- rings (per-sequence slots) --------------------------------------------------------
+    def ring_rows(self, seq: torch.Tensor, q: torch.Tensor, ring: int) -> torch.Tensor:
+        """Rows [k] of positions q [k] of sequences seq [k] in a ring pool of `ring` rows per slot,
+        viewed flat [(max_seqs + 1) * ring, C]."""
+        return self.seq_slot[seq] * ring + q % ring
+
+    def ring_writes(self, positions: torch.Tensor, ring: int) -> torch.Tensor:
+        """Flat ring rows [T] for this step's token rows: a sequence's last `ring` positions go to
+        its slot, earlier rows of a longer chunk (overwritten within the chunk anyway) to trash."""
+        seq = self.row_seq
+        keep = positions >= self.seq_end[seq] - ring
+        return torch.where(keep, self.ring_rows(seq, positions, ring), self.trash * ring + positions % ring)
+
+    def sources(self, seq: torch.Tensor, q: torch.Tensor, ring: int) -> torch.Tensor:
+        """Rows [k] of positions q [k] (any shape) in cat(ring pool flat, this step's rows): a position
+        this step feeds is its token row, an older one its ring row (read before the ring is written)."""
+        fed = q >= self.seq_start[seq]
+        new = (self.trash + 1) * ring + self.seq_lo[seq] + (q - self.seq_start[seq])
+        return torch.where(fed, new, self.seq_slot[seq] * ring + q.clamp(min=0) % ring)
