@@ -85,6 +85,7 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "expert_modes": sorted(expert_modes.items()),
         "record": bool(rewrite.record_ops) or rewrite.record_dispatch,
         "record_dispatch": rewrite.record_dispatch,
+        "timed": bool(rewrite.time_ops),
     }
     env = _env()
     return {

@@ -52,6 +52,7 @@ class Rewrite(NamedTuple):
     converters: Mapping[str, str] = {}          # runtime format -> converter, added or replaced
     record_ops: tuple[str, ...] = ()            # ops whose every call is appended to the module's RECORDED
     record_dispatch: bool = False               # likewise every call through a dispatch table (sub-layers)
+    time_ops: tuple[str, ...] = ()              # ops whose calls add their wall time to TIMES["<function>.<op>"]
 
 
 class Lowered(NamedTuple):
@@ -129,9 +130,12 @@ class _Lowerer:
         self.ops[(op, fmt or "")] = OpUse(op, fmt or "", low.impl, ref, low.reason, low.device_ops, low.lessons)
         return self.function(self.rewrite.calls.get(op, ref))
 
-    def call(self, op: str, fmt: str | None = None) -> str:
-        """What a step of `op` calls: its lowering, wrapped by the recorder in a recording render."""
+    def call(self, op: str, fmt: str | None = None, site: str = "") -> str:
+        """What a step of `op` calls: its lowering, wrapped by the recorder in a recording render and
+        by the timer (keyed by the generated function `site` it is called from) in a timing one."""
         impl = self.impl(op, fmt)
+        if op in self.rewrite.time_ops:
+            impl = f'_timed("{site}.{op}", {impl})'
         return f'_record("{op}", {impl})' if op in self.rewrite.record_ops else impl
 
     def function(self, ref: str) -> str:
@@ -151,6 +155,7 @@ class _Lowerer:
                  | {d.key for d in self.table.derived if d.scope == "model"})
         env = set(prog.inputs)
         body: list[str] = []
+        fname = "forward" if name == "model" else name + "".join(f"_{v}" for v in kind.values())
         for i, step in enumerate(prog.steps):
             if not step.when.matches(kind):
                 continue
@@ -160,15 +165,13 @@ class _Lowerer:
                 rewritten = {k: self.kwarg(v) for k, v in self.rewrite.kwargs.get(step.op, {}).items()}
                 attrs = [f"{k}={v}" for k, v in {**step.attrs, **rewritten}.items()]
                 fmt = self.dispatch_format(step.op, step, scope, kind, where)
-                body += _assign(step.out, f"{self.call(step.op, fmt)}(", args + attrs)
+                body += _assign(step.out, f"{self.call(step.op, fmt, fname)}(", args + attrs)
             elif step.loop is not None:
                 body += self.loop(step, args, where)
             else:
                 body += _assign(step.out, f"{self.callee(step.call)}(", ["lp", *args, "layer", "cfg", "rope"])
             env |= set(step.out) | ({step.tap} if step.tap else set())
         body.append("return " + ", ".join(self.results(prog, env, name)))
-        suffix = "".join(f"_{v}" for v in kind.values())
-        fname = "forward" if name == "model" else name + suffix
         first = "params" if scope == "model" else "lp"
         extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
         doc = prog.doc.strip() + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")

@@ -96,11 +96,11 @@ class _EngineCollector:
         yield gauge("num_requests_running", "Requests in the running batch", snap.running)
         yield gauge("num_requests_waiting", "Requests queued for admission", snap.waiting)
         yield gauge("engine_healthy", "1 while the engine thread runs, 0 once it failed", 0 if engine.dead else 1)
-        used = sum(u for _, u, _ in snap.blocks)
-        total = sum(t for _, _, t in snap.blocks) or 1
-        yield gauge("kv_cache_usage_perc", "Fraction of cache blocks in use (1.0 = full)", used / total)
-        for metric, column, doc in (("kv_cache_blocks_used", 1, "Cache blocks in use, per cache group"),
-                                    ("kv_cache_blocks_total", 2, "Cache blocks, per cache group")):
+        # the fullest pool is the one that refuses the next request: sequence slots or an entry group
+        usage = max((u / t for _, u, t in snap.blocks if t), default=0.0)
+        yield gauge("kv_cache_usage_perc", "Fraction of the fullest cache pool in use (1.0 = full)", usage)
+        for metric, column, doc in (("kv_cache_blocks_used", 1, "Cache blocks (entry groups c<m>) or sequence slots in use, per pool"),
+                                    ("kv_cache_blocks_total", 2, "Cache blocks (entry groups c<m>) or sequence slots, per pool")):
             family = GaugeMetricFamily(P + metric, doc, labels=["model_name", "group"])
             for row in snap.blocks:
                 family.add_metric([name, row[0]], row[column])

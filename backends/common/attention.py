@@ -17,9 +17,17 @@ from lib.emulation.invariant_matmul import matmul
 from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools
 
-# Entries scored (indexer) or attended (HCA) per block: fixed-size tiles whatever the context.
-INDEX_BLOCK = 256
+# Entries attended per HCA block (a running softmax across blocks) and the tile budget of one
+# indexer block: memory per step whatever the context.
 HCA_BLOCK = 256
+INDEX_TILE_BYTES = 1 << 25
+
+
+def index_block(queries: int, heads: int, dim: int) -> int:
+    """Entries per indexer block: at most INDEX_TILE_BYTES of fp32 keys [T, n, Di], products
+    [T, Hi, n] and the keys repeated per head that the batch-invariant CPU bmm makes
+    (lib/emulation/invariant_matmul.py); 16..1024."""
+    return max(16, min(1024, INDEX_TILE_BYTES // max(1, queries * (heads * dim + heads + dim) * 4)))
 
 
 def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, ratio: int,
@@ -32,7 +40,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     z_all = matmul(h.to(wgate.dtype), wgate.t()).float() + ape.float().index_select(0, slot)
     c, ring, writes = a_all.shape[-1], pools.kv.shape[1], addr.writes[ratio]
     span = 2 * ratio if overlap else ratio
-    q = (writes.ids * ratio - (span - ratio))[:, None] + torch.arange(span)   # [K, S] positions
+    q = (writes.ids * ratio - (span - ratio))[:, None] + torch.arange(span, device=h.device)   # [K, S] positions
     src = addr.sources(writes.seq[:, None].expand_as(q), q, ring).reshape(-1)
     kv = torch.cat((pools.kv.view(-1, c), a_all)).index_select(0, src).view(*q.shape, c)
     gate = torch.cat((pools.gate.view(-1, c), z_all)).index_select(0, src).view(*q.shape, c)
@@ -69,11 +77,12 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     addr, t = batch.state, q.shape[0]
     seq, limit = addr.row_seq, ((batch.positions + 1) // ratio).to(torch.int32)
     ws = weights.float() * weight_scale
-    best = torch.full((t, topk), float("-inf"))
-    best_ids = torch.full((t, topk), -1.0)                                       # float sort keys (L13)
-    for lo in range(0, addr.max_entries[ratio], INDEX_BLOCK):
-        n = min(INDEX_BLOCK, addr.max_entries[ratio] - lo)
-        ids = torch.arange(lo, lo + n, dtype=torch.int32)
+    best = torch.full((t, topk), float("-inf"), device=q.device)
+    best_ids = torch.full((t, topk), -1.0, device=q.device)                                       # float sort keys (L13)
+    step = index_block(t, q.shape[1], q.shape[2])
+    for lo in range(0, addr.max_entries[ratio], step):
+        n = min(step, addr.max_entries[ratio] - lo)
+        ids = torch.arange(lo, lo + n, dtype=torch.int32, device=q.device)
         rows = addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.to(torch.int64).repeat(t))
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
         dots = invariant.bmm(q.float(), k.transpose(1, 2))                        # [T, Hi, n]
@@ -89,41 +98,46 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
 
 
 def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, window: int, ratio: int):
-    """Window + compressed entries + sink, one fp32 softmax; o in kv's dtype, the window pool written.
+    """Window + compressed entries + sink, fp32 softmax; o in kv's dtype, the window pool written.
 
     Every query gets its own key rows in one canonical layout: slot k of its W window slots holds
     position t-W+1+k (slots before position 0 masked), then its entries (CSA: the selected rows;
-    HCA: every entry, a block at a time). A query's sums therefore run over the same operands in
-    the same order whether it is decoded alone or verified with five drafts after it: batch
-    invariance, which lossless speculative decoding needs, holds by construction."""
+    HCA: every entry, a fixed-size block at a time under a running softmax). A query's sums
+    therefore run over the same operands in the same order whether it is decoded alone or
+    verified with five drafts after it: batch invariance, which lossless speculative decoding
+    needs, holds by construction."""
     addr, d, t = batch.state, q.shape[-1], q.shape[0]
     seq = addr.row_seq
-    pos = batch.positions[:, None] - window + 1 + torch.arange(window)           # [T, W]
+    pos = batch.positions[:, None] - window + 1 + torch.arange(window, device=q.device)   # [T, W]
     src = addr.sources(seq[:, None].expand_as(pos), pos, windows.shape[1]).reshape(-1)
     keys = torch.cat((windows.view(-1, d).to(kv.dtype), kv)).index_select(0, src).view(t, window, d)
-    parts = [(keys, pos >= 0)]
-    if entries is not None:
+    mask = pos >= 0
+    if entries is not None and selection is not None:
         limit = (batch.positions + 1) // ratio
-        if selection is not None:
-            sel = selection.to(torch.int64)
-            rows = addr.entry_rows(ratio, seq[:, None].expand_as(sel).reshape(-1), sel.reshape(-1))
-            parts.append((entries.index_select(0, rows).view(*sel.shape, d).to(kv.dtype),
-                          (sel >= 0) & (sel < limit[:, None])))
-        else:
-            for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-                ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64)
-                rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(t))
-                parts.append((entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype),
-                              ids[None, :] < limit[:, None]))
-    kf = torch.cat([k for k, _ in parts], dim=1).float()                          # [T, W + E', D]
-    mask = torch.cat([m for _, m in parts], dim=1)
-    logits = invariant.bmm(q.float(), kf.transpose(1, 2)) / d ** 0.5             # [T, H, W + E']
-    logits = torch.where(mask[:, None, :], logits, float("-inf"))
+        sel = selection.to(torch.int64)
+        rows = addr.entry_rows(ratio, seq[:, None].expand_as(sel).reshape(-1), sel.reshape(-1))
+        keys = torch.cat((keys, entries.index_select(0, rows).view(*sel.shape, d).to(kv.dtype)), dim=1)
+        mask = torch.cat((mask, (sel >= 0) & (sel < limit[:, None])), dim=1)
+    qf, kf = q.float(), keys.float()
+    logits = torch.where(mask[:, None, :], invariant.bmm(qf, kf.transpose(1, 2)) / d ** 0.5, float("-inf"))
     sk = sink.float()[None, :, None]
     top = torch.maximum(logits.amax(-1, keepdim=True), sk)
     e = torch.exp(logits - top)
-    p = e / (e.sum(-1, keepdim=True) + torch.exp(sk - top))
-    out = invariant.bmm(p, kf).to(kv.dtype)                                       # [T, H, D]
+    total, acc = e.sum(-1, keepdim=True), invariant.bmm(e, kf)
+    if entries is not None and selection is None:
+        limit = (batch.positions + 1) // ratio
+        for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
+            ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64, device=q.device)
+            rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(t))
+            block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
+            lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],
+                             invariant.bmm(qf, block.transpose(1, 2)) / d ** 0.5, float("-inf"))
+            new_top = torch.maximum(top, lg.amax(-1, keepdim=True))
+            shrink, e = torch.exp(top - new_top), torch.exp(lg - new_top)
+            total = total * shrink + e.sum(-1, keepdim=True)
+            acc = acc * shrink + invariant.bmm(e, block)
+            top = new_top
+    out = (acc / (total + torch.exp(sk - top))).to(kv.dtype)                       # [T, H, D]
     rows = addr.ring_writes(batch.positions, windows.shape[1])
     windows.view(-1, d).index_copy_(0, rows, kv.to(windows.dtype))
     return out, windows

@@ -25,12 +25,12 @@ def dspark_attention(q, kv, batch: Batch, rings, sink) -> torch.Tensor:
     """q [T, H, D], kv [T, D] (compute dtype), rings: the stage's ring pool -> o [T, H, D] in kv's dtype."""
     addr, d, s, w = batch.state, q.shape[-1], len(batch.seq_lens), rings.shape[1]
     seq = addr.row_seq
-    pos = addr.seq_start[seq][:, None] - w + torch.arange(w)                      # [T, W]
+    pos = addr.seq_start[seq][:, None] - w + torch.arange(w, device=q.device)                      # [T, W]
     rows = addr.ring_rows(seq[:, None].expand_as(pos), pos.clamp(min=0), w).reshape(-1)
     ring = rings.view(-1, d).index_select(0, rows).view(q.shape[0], w, d).to(kv.dtype)
     block = kv.view(s, -1, d).index_select(0, seq)                               # [T, G, D]
     keys = torch.cat((ring, block), dim=1).float()
-    mask = torch.cat((pos >= 0, torch.ones(q.shape[0], block.shape[1], dtype=torch.bool)), dim=1)
+    mask = torch.cat((pos >= 0, torch.ones(q.shape[0], block.shape[1], dtype=torch.bool, device=q.device)), dim=1)
     logits = invariant.bmm(q.float(), keys.transpose(1, 2)) / d ** 0.5
     logits = torch.where(mask[:, None, :], logits, float("-inf"))
     sk = sink.float()[None, :, None]

@@ -7,8 +7,8 @@ block-scaled linears, MXFP4 experts) that transformers and our loader both read:
   layers cover every layer kind of DeepSeek-V4-Flash's schedule (SWA/hash, CSA/hash, HCA/learned,
   CSA/learned) with the real window 128 and compress ratios 4 / 128. No drafter: the bench
   measures the backbone (the engine benchmark measures DSpark).
-- `scaling`: the tiny preset's widths with the real window 128 and ratios 4 / 128 and room for 32K
-  positions, to show how prefill cost grows with context.
+- `scaling`: the tiny preset's widths with the real window 128 and ratios 4 / 128 and room for 1M
+  positions, to show how prefill and decode cost grow with context (lib/bench/long_context.py).
 
 Must not know about timing or transformers.
 """
@@ -38,7 +38,7 @@ CONFIGS: dict[str, dict] = {
     },
     "scaling": {
         "sliding_window": 128, "compress_ratios": [0, 0, 4, 128, 4, 128], "index_topk": 64,
-        "max_position_embeddings": 65536, **NO_DRAFTER,
+        "max_position_embeddings": 1048576, **NO_DRAFTER,
     },
 }
 

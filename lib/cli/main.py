@@ -66,11 +66,11 @@ def _cmd_build(args) -> int:
     return 1 if failed else 0
 
 
-def _model_path(args) -> Path:
+def _model_path(args, preset: str = "tiny") -> Path:
     if args.model:
         return Path(args.model)
     from lib.weights.tiny_checkpoint import embedded_tiny
-    path = embedded_tiny(out=sys.stderr)           # says so when this call makes it (first use)
+    path = embedded_tiny(out=sys.stderr, preset=preset)      # says so when this call makes it (first use)
     print(f"using the embedded tiny checkpoint {path}", file=sys.stderr)
     return path
 
@@ -100,19 +100,34 @@ def _cmd_conformance(args) -> int:
         return 0
     if args.backend is None:
         raise ValueError("--backend is required (accepted: ascend310p, ascend910, hip936)")
-    needs = CATALOGUE[args.inject].min_tp if args.inject in CATALOGUE else 1
-    if args.tp < needs:
-        raise ValueError(f"{args.inject} shows only on TP ranks past 0: add --tensor-parallel-size {needs} "
+    inj = CATALOGUE.get(args.inject)
+    if inj is not None and args.tp < inj.min_tp:
+        raise ValueError(f"{args.inject} shows only on TP ranks past 0: add --tensor-parallel-size {inj.min_tp} "
                          "(or more) so conformance runs the ranks in their own processes")
+    if inj is not None and (args.context or 0) < inj.min_context:
+        raise ValueError(f"{args.inject} changes nothing before {inj.min_context} positions: add --context "
+                         f"{inj.min_context} (or more)")
     if max(args.tp, args.ep) > 1:
+        if args.context:
+            raise ValueError("--context runs in one process: drop --tensor-parallel-size / --expert-parallel-size")
         return _parallel_conformance(args)
-    stages = Stages(f"conformance {args.backend}" + (f" +{args.inject}" if args.inject else ""))
-    if args.inject in CATALOGUE:
-        stages.note(f"re-introducing {args.inject} for this run: {CATALOGUE[args.inject].what}")
-    report = conformance.run(args.backend, _model_path(args), steps=args.steps, inject=args.inject,
-                             expert_mode=args.expert_mode, ep_sim=args.ep_sim, stages=stages)
+    label = f"conformance {args.backend}" + (f" --context {args.context}" if args.context else "")
+    stages = Stages(label + (f" +{args.inject}" if args.inject else ""))
+    if inj is not None:
+        stages.note(f"re-introducing {args.inject} for this run: {inj.what}")
+    if args.context:
+        from lib.porting import conformance_context
+
+        model = _model_path(args, preset="tiny-long")
+        report = conformance_context.run(args.backend, model, args.context, steps=args.steps or 8,
+                                         chunk=args.prefill_chunk, inject=args.inject, expert_mode=args.expert_mode,
+                                         ep_sim=args.ep_sim, stages=stages)
+    else:
+        report = conformance.run(args.backend, _model_path(args), steps=args.steps or 32, inject=args.inject,
+                                 expert_mode=args.expert_mode, ep_sim=args.ep_sim, stages=stages)
     stages.finish()
-    print(f"conformance of backend {args.backend}" + (f" with injected {args.inject}" if args.inject else ""))
+    print(f"conformance of backend {args.backend}" + (f" at context {args.context}" if args.context else "")
+          + (f" with injected {args.inject}" if args.inject else ""))
     print(report.table())
     if args.inject is None:
         print("PASS" if report.passed else "FAIL")
@@ -128,6 +143,7 @@ def _parallel_conformance(args) -> int:
     from spec.profile import load_profile
 
     dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
+    steps = args.steps or 32
     print(f"conformance of backend {args.backend} on TP={args.tp} EP={args.ep} ({dispatch})"
           + (f" with injected {args.inject}" if args.inject else ""))
     path, options, layout = _model_path(args), _load_options(args), f"TP={args.tp} EP={args.ep} {dispatch}"
@@ -136,11 +152,11 @@ def _parallel_conformance(args) -> int:
                     total=2 * len(modes))
     reference, results = {}, []
     for mode in modes:               # parallel_check.check, one mode at a time, so each part is announced
-        with stages(f"one-process greedy reference ({mode}: {len(prompts)} prompts x {args.steps} tokens)"):
-            reference[mode] = parallel_check.greedy_tokens(path, args.backend, prompts, args.steps, speculative=mode,
+        with stages(f"one-process greedy reference ({mode}: {len(prompts)} prompts x {steps} tokens)"):
+            reference[mode] = parallel_check.greedy_tokens(path, args.backend, prompts, steps, speculative=mode,
                                                            options=options)
         with stages(f"{max(args.tp, args.ep)} ranks in their own processes ({mode}: load, then the same decode)"):
-            results += parallel_check.check(path, args.backend, args.tp, args.ep, dispatch, steps=args.steps,
+            results += parallel_check.check(path, args.backend, args.tp, args.ep, dispatch, steps=steps,
                                             prompts=prompts, modes=(mode,), options=options, reference=reference,
                                             inject=args.inject)
     stages.finish()
@@ -219,7 +235,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
     s.add_argument("--inject", help="re-introduce a catalogued field bug (see --list-injections)")
     s.add_argument("--list-injections", action="store_true")
-    s.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps")
+    s.add_argument("--steps", type=int, help="teacher-forced decode steps (default 32; 8 with --context)")
+    s.add_argument("--context", type=int, metavar="N",
+                   help="long-context conformance: prefill N positions, then decode --steps past them (default "
+                        "model: the embedded tiny-long checkpoint, window 128 and compress ratios 4 / 128)")
+    s.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk size with --context")
     s.add_argument("--ep-sim", type=int, default=2, help="expert-parallel ranks simulated in one process")
     s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
     s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")

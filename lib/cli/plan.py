@@ -39,6 +39,8 @@ def add_parser(sub, backend_names: list[str]) -> None:
     s.add_argument("--ops", action="store_true", help="count kernel launches and host syncs of one decode step")
     s.add_argument("--record", action="store_true",
                    help="with --ops: keep the counts in data/decode-launches.json for the speed planner")
+    s.add_argument("--batch", type=int, default=1,
+                   help="with --ops: sequences stepping together (each prefilled, then one decode step of all)")
     s.add_argument("--model", help="with --ops: checkpoint to count on (default: Flash-0731's schedule, widths shrunk)")
     s.add_argument("--variant", default="flash-0731", help="model variant (spec/models)")
     s.add_argument("--devices", type=int, default=8)
@@ -65,6 +67,8 @@ def _ops(args) -> int:
     from lib.planner.launch_counts import decode_launches, format_report, record, shrunk_flash
     from spec.profile import backend_names
 
+    if args.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {args.batch}")
     backends = backend_names() if args.backend == "all" else [args.backend]
     model = Path(args.model) if args.model else None
     if model is None:           # made once (minutes), then reused: said either way
@@ -72,9 +76,9 @@ def _ops(args) -> int:
     stages = Stages("plan --ops", total=len(backends))
     reports = []
     for backend in backends:
-        with stages(f"counting launches of one decode step and one DSpark round on {backend} "
-                    f"({model or 'shrunk Flash-0731'}: load, prefill, then under the guard)"):
-            reports.append(decode_launches(backend, model))
+        with stages(f"counting launches of one decode step and one DSpark round of {args.batch} sequence(s) on "
+                    f"{backend} ({model or 'shrunk Flash-0731'}: load, prefill, then under the guard)"):
+            reports.append(decode_launches(backend, model, args.batch))
         print(format_report(reports[-1]), flush=True)
     if args.record:
         if args.model:
@@ -93,6 +97,8 @@ def cmd_plan(args) -> int:
         return _ops(args)
     if args.record:
         raise ValueError("--record goes with --ops (it records launch counts)")
+    if args.batch != 1:
+        raise ValueError("--batch goes with --ops (the plan's decode step is one sequence's)")
     if args.backend == "all":
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
@@ -137,17 +143,8 @@ def format_plan(p) -> str:
                for c in sorted(w.target, key=lambda c: -(c.data + c.scale))), 110, initial_indent="  ",
                subsequent_indent="    "),
            "", "KV cache per device (one shared KV head: every TP rank holds the whole cache)",
-           *(f"  {kind:<19} {p.layout.per_token[kind]:>10,.0f} bytes per token  ({_held(kind)})"
-             for kind in p.layout.per_token),
-           f"  the engine reserves {p.capacity.per_admitted_token:,.0f} bytes per admitted position (tokens-group rows "
-           f"of every position-keyed pool + its share of the entry groups)",
-           "", _budget(p),
-           f"  KV capacity: {p.capacity.engine_tokens:,} tokens (engine num_blocks {p.capacity.engine_blocks:,} of "
-           f"{p.layout.block_tokens}); {p.capacity.engine_tokens // d.max_model_len:,} sequences of {d.max_model_len:,}"
-           + ("  ** not one sequence of --max-model-len fits **" if p.capacity.engine_tokens < d.max_model_len else ""),
-           *([f"  if the tokens group held live windows only (release_old) the pool would hold "
-              f"{p.capacity.windowed_tokens:,} tokens ({_g(p.capacity.sequence_bytes)} per sequence of "
-              f"{d.max_model_len:,})"] if p.capacity.windowed_tokens > p.capacity.engine_tokens else []),
+           *_kv(p),
+           "", _budget(p), *_capacity(p),
            f"  occupied: {_g(p.occupied)} of {_g(p.device_memory)}",
            "", f"preconverted checkpoint (target only, B17; each rank's runtime tensors, {p.preconverted.runtime_format}):",
            f"  {_g(p.preconverted.total_bytes)} in {p.preconverted.shards_per_rank * p.preconverted.ranks} shards "
@@ -159,9 +156,27 @@ def format_plan(p) -> str:
     return "\n".join(out)
 
 
-def _held(kind: str) -> str:
-    from lib.planner.cache_layout import HELD
-    return HELD[kind]
+def _kv(p) -> list[str]:
+    lay = p.layout
+    per, fixed = lay.per_token, lay.per_sequence
+    return [f"  per context position (entry block pools, a group per compress ratio, {lay.block_tokens} rows a block):",
+            *(f"    {kind:<19} {per[kind]:>13,.0f} bytes  ({lay.held(kind)})" for kind in per),
+            f"    {'total':<19} {lay.kv_bytes_per_token:>13,.0f} bytes per token",
+            f"  fixed per sequence (ring slots; slack {lay.slack} = positions a step may leave uncommitted):",
+            *(f"    {kind:<19} {fixed[kind]:>13,} bytes  ({lay.held(kind)})" for kind in fixed),
+            f"    {'total':<19} {lay.kv_fixed_bytes_per_sequence:>13,} bytes per sequence "
+            f"({lay.max_seqs} slots + 1 trash slot allocated)"]
+
+
+def _capacity(p) -> list[str]:
+    d, c = p.deployment, p.capacity
+    why = {"blocks": "limited by the pool", "max_num_seqs": f"limited by --max-num-seqs {d.max_num_seqs}",
+           "pool": "the pool holds not even the ring slots and one block"}[c.limited_by]
+    return [f"  KV capacity: engine num_blocks {c.num_blocks:,} of {p.layout.block_tokens} positions = {c.tokens:,} "
+            f"context tokens; pools allocated {_g(c.allocated_bytes)} of {_g(c.pool_bytes)}",
+            f"  sequences of --max-model-len {d.max_model_len:,} held at once: {c.sequences:,} ({why}; each "
+            f"provisioned for {c.sequence_length:,} positions)"
+            + ("  ** not one sequence of --max-model-len fits **" if c.sequences == 0 else "")]
 
 
 def _budget(p) -> str:

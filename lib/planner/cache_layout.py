@@ -1,9 +1,13 @@
-"""KV cache of a deployment: bytes per token of every cache kind, and the capacity in tokens.
+"""KV cache of a deployment: what a context position and a sequence cost, and how many fit a pool.
 
-Sizes come from the engine's own paged layout (lib/engine/cache_sizing.py make_store -> lib/runtime/paged_cache.py) built
-at one block, so the planner and the engine cannot disagree on what a position costs. DeepSeek-V4
-has one shared KV head (num_key_value_heads = 1): every TP rank holds its sequences' whole cache,
-so cache bytes are per device, never divided by TP. Knows no weights and no device speed.
+The pools are the engine's own: the state declaration the backend's generated package carries
+(`STATE`, rendered from spec/state.yaml) turned into shapes by lib/runtime/state_pools.py, the very
+function lib/runtime/paged_cache.py allocates from, so the planner and the engine cannot disagree
+on a byte. Two kinds of pools: block pools of compressed entries and indexer keys grow with the
+context (bytes per position = row bytes / compress ratio); ring slots (windows, compressor
+buffers, drafter rings) are a fixed size per sequence, `max_num_seqs` slots plus a trash slot.
+DeepSeek-V4 has one shared KV head (num_key_value_heads = 1): every TP rank holds its sequences'
+whole cache, so cache bytes are per device, never divided by TP. Knows no weights and no speed.
 """
 from __future__ import annotations
 
@@ -11,106 +15,160 @@ from typing import NamedTuple
 
 import torch
 
-from lib.engine.cache_sizing import make_store
+from lib.runtime.loaded_model import BackendFacts, generated
+from lib.runtime.state_pools import PoolShape, entry_ratios, group_blocks, pool_shapes
 from spec.config import ModelConfig
 from spec.profile import load_profile
-from lib.runtime.loaded_model import BackendFacts
 from spec.schedule import LayerInfo, backbone, drafter
 
-KINDS = ("window_ring", "csa_entries", "hca_entries", "indexer_keys", "compressor_buffers", "draft_rings")
-HELD = {"window_ring": "the last sliding_window positions", "compressor_buffers": "positions of unfinished windows",
-        "draft_rings": "the last sliding_window positions, per drafter stage",
-        "csa_entries": "every context position (one entry per 4)", "hca_entries": "every context position (one per 128)",
-        "indexer_keys": "every context position (one key per 4)"}
+PER_POSITION = ("csa_entries", "hca_entries", "indexer_keys")          # block pools, grow with the context
+PER_SEQUENCE = ("window_ring", "compressor_buffers", "draft_rings")    # ring slots, fixed per sequence
 
 
 class CacheModel(NamedTuple):
-    """What make_store reads of a model, without loading one."""
+    """What PagedCache (and so make_store) reads of a model, without loading one."""
     backend: str
     cfg: ModelConfig
-    state_dtype: torch.dtype
-    facts: BackendFacts
+    facts: BackendFacts                  # compute dtype and block geometry, from the profile
+    state: tuple                         # the decode-state declaration (the generated package's STATE)
     layers: tuple[LayerInfo, ...]        # backbone schedule
     stages: tuple[LayerInfo, ...]        # drafter stages
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.facts.compute_dtype
 
 
 def cache_model(backend: str, cfg: ModelConfig) -> CacheModel:
     """The planner reads the profile itself (it plans before anything is built or loaded)."""
     prof = load_profile(backend)
-    dtype = getattr(torch, prof.compute_dtype)           # the model's state dtype (lib/runtime/loaded_model.py)
-    facts = BackendFacts(dtype, prof.cache.block_tokens, prof.cache.logical_block_tokens, prof.ep_dispatch.mode)
-    return CacheModel(backend, cfg, dtype, facts, backbone(cfg), drafter(cfg))
+    facts = BackendFacts(getattr(torch, prof.compute_dtype), prof.cache.block_tokens,
+                         prof.cache.logical_block_tokens, prof.ep_dispatch.mode)
+    return CacheModel(backend, cfg, facts, generated(backend).state, backbone(cfg), drafter(cfg))
+
+
+def slack_of(cfg: ModelConfig, speculative: bool) -> int:
+    """Positions one step may leave uncommitted: a verify writes the anchor and the draft block."""
+    return 1 + cfg.dspark_block_size if speculative else 1
 
 
 class CacheLayout(NamedTuple):
-    block_tokens: int
-    horizon: int                    # tokens-group positions below L - horizon are never read again
-    per_token: dict[str, float]     # kind -> bytes per token: per position held (rings), per context token (entries)
-    tokens_block_bytes: int         # one physical block of the tokens group (every position-keyed pool)
-    entry_block_bytes: dict[int, int]   # ratio m -> one physical block of group c{m} (entry-keyed pools)
+    model: CacheModel
+    max_seqs: int
+    slack: int
+    rings: bool                     # drafter context rings are allocated (speculative DSpark)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.model.facts.block_tokens
+
+    def pools(self, num_blocks: int) -> list[PoolShape]:
+        """Every pool the engine allocates for `num_blocks` blocks of context (PagedCache's shapes)."""
+        m = self.model
+        return pool_shapes(m.state, m.cfg, m.layers, m.stages if self.rings else (),
+                           compute_dtype=m.facts.compute_dtype, block_tokens=self.block_tokens,
+                           max_seqs=self.max_seqs, num_blocks=num_blocks, slack=self.slack)
+
+    def total_bytes(self, num_blocks: int) -> int:
+        return sum(s.bytes for s in self.pools(num_blocks))
+
+    def _kind(self, s: PoolShape) -> str:
+        if s.owner.startswith("stage"):
+            return "draft_rings"
+        if s.item == "window":
+            return "window_ring"
+        if s.item == "index.entries":
+            return "indexer_keys"
+        if s.lifetime == "entry":
+            layer = next(l for l in self.model.layers if f"layer{l.index}" == s.owner)
+            return f"{layer.attention}_entries"
+        return "compressor_buffers"
+
+    @property
+    def per_token(self) -> dict[str, float]:
+        """Entry kind -> bytes one context position adds (its share of every entry row)."""
+        out = dict.fromkeys(PER_POSITION, 0.0)
+        for s in self.pools(1):
+            if s.lifetime == "entry":
+                out[self._kind(s)] += s.row_bytes / s.ratio
+        return out
+
+    @property
+    def per_sequence(self) -> dict[str, int]:
+        """Ring kind -> bytes of one sequence's slot."""
+        out = dict.fromkeys(PER_SEQUENCE, 0)
+        for s in self.pools(1):
+            if s.lifetime == "sequence":
+                out[self._kind(s)] += s.bytes // s.shape[0]
+        return out
+
+    @property
+    def ring_row(self) -> dict[str, int]:
+        """Ring kind -> bytes of one position's rows across its pools (what a step reads per live position)."""
+        out = dict.fromkeys(PER_SEQUENCE, 0)
+        for s in self.pools(1):
+            if s.lifetime == "sequence":
+                out[self._kind(s)] += s.row_bytes
+        return out
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return sum(self.per_token.values())
+
+    @property
+    def kv_fixed_bytes_per_sequence(self) -> int:
+        return sum(self.per_sequence.values())
+
+    def held(self, kind: str) -> str:
+        """What a kind's pools hold, in this schedule's numbers (the printed table's gloss)."""
+        cfg, layers = self.model.cfg, self.model.layers
+        csa = [l for l in layers if l.attention == "csa"]
+        hca = [l for l in layers if l.attention == "hca"]
+        ratio = {"csa": csa[0].ratio if csa else 0, "hca": hca[0].ratio if hca else 0}
+        stages = len(self.model.stages) if self.rings else 0
+        return {"csa_entries": f"an entry per {ratio['csa']} positions, {len(csa)} CSA layers",
+                "hca_entries": f"an entry per {ratio['hca']} positions, {len(hca)} HCA layers",
+                "indexer_keys": f"a key per {ratio['csa']} positions, {len(csa)} CSA layers",
+                "window_ring": f"{cfg.sliding_window} + {self.slack} rows of raw KV, {len(layers)} layers",
+                "compressor_buffers": f"fp32 rows of unfinished windows, {len(csa) + len(hca)} CSA/HCA layers",
+                "draft_rings": f"{cfg.sliding_window} rows, {stages} drafter stages"}[kind]
+
+    def blocks_for(self, length: int) -> dict[int, int]:
+        """Compress ratio -> entry blocks one sequence of `length` positions holds (PagedCache._needed)."""
+        return {m: cdiv(length // m, self.block_tokens) for m in entry_ratios(self.pools(1))}
 
 
-class Capacity(NamedTuple):
-    pool_bytes: int
-    engine_tokens: int              # positions the engine as built can hold (its tokens group spans whole contexts)
-    engine_blocks: int              # the tokens-group blocks that takes (the engine's num_blocks)
-    per_admitted_token: float       # engine: a position's tokens-group row plus its share of every entry group
-    windowed_tokens: int            # if the tokens group held live windows only and entries grew alone
-    sequence_bytes: int             # windowed: one sequence at max_model_len
-
-
-def _kind(pool: str, attention: dict[int, str]) -> str:
-    if pool.startswith("draft."):
-        return "draft_rings"
-    layer, _, part = pool.partition(".")
-    if part == "kv":
-        return "window_ring"
-    if part == "index.entries":
-        return "indexer_keys"
-    if part == "comp.entries":
-        return f"{attention[int(layer.removeprefix('layer'))]}_entries"
-    return "compressor_buffers"         # comp.kv / comp.gate / index.kv / index.gate: per-position rows
-
-
-def layout(backend: str, cfg: ModelConfig, speculative: bool) -> CacheLayout:
-    model = cache_model(backend, cfg)
-    with torch.device("meta"):                                         # shapes only: nothing is allocated
-        store = make_store(model, num_blocks=1, max_seqs=1, rings=speculative)
-    attention = {layer.index: layer.attention for layer in backbone(cfg)}
-    ratios = {g.name: g.ratio for g in store.groups}
-    per_token = dict.fromkeys(KINDS, 0.0)
-    for pool, (group, row) in store.row_bytes().items():
-        ratio = ratios[group]
-        per_token[_kind(pool, attention)] += row / ratio if ratio else row
-    blocks = store.bytes_per_block()
-    return CacheLayout(store.block_tokens, store.horizon, per_token, blocks["tokens"],
-                       {g.ratio: blocks[g.name] for g in store.groups if g.ratio})
+def layout(backend: str, cfg: ModelConfig, speculative: bool, max_seqs: int) -> CacheLayout:
+    return CacheLayout(cache_model(backend, cfg), max_seqs, slack_of(cfg, speculative), speculative)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _engine_bytes(lay: CacheLayout, blocks: int, seqs: int) -> int:
-    # PagedCache sizes group c{m} as cdiv(num_blocks, m) + max_seqs blocks (lib/runtime/paged_cache.py)
-    return blocks * lay.tokens_block_bytes + sum((cdiv(blocks, m) + seqs) * b for m, b in lay.entry_block_bytes.items())
+class Capacity(NamedTuple):
+    pool_bytes: int                 # the KV pool the memory budget leaves
+    num_blocks: int                 # the engine's num_blocks: context blocks of block_tokens positions
+    tokens: int                     # num_blocks x block_tokens
+    allocated_bytes: int            # exact bytes of every pool at num_blocks (<= pool_bytes)
+    sequence_length: int            # positions the engine provisions for a sequence of max_model_len
+    sequences: int                  # such sequences held at once: min(max_num_seqs, what the blocks allow)
+    limited_by: str                 # "blocks" | "max_num_seqs" | "pool" (not even the ring slots fit)
 
 
-def sequence_bytes(lay: CacheLayout, length: int) -> int:
-    """One sequence of `length` positions when old tokens blocks are released (PagedCache.release_old)."""
-    released = max(0, length - lay.horizon) // lay.block_tokens
-    tokens = cdiv(length, lay.block_tokens) - released
-    return tokens * lay.tokens_block_bytes + sum(cdiv(length // m, lay.block_tokens) * b
-                                                 for m, b in lay.entry_block_bytes.items())
-
-
-def capacity(lay: CacheLayout, pool_bytes: int, max_model_len: int, max_num_seqs: int) -> Capacity:
+def capacity(lay: CacheLayout, pool_bytes: int, max_model_len: int) -> Capacity:
+    """The largest num_blocks whose pools (max_seqs + 1 ring slots, entry groups of cdiv(num_blocks, m)
+    + max_seqs blocks) fit `pool_bytes`, and the sequences of max_model_len those blocks hold."""
     pool_bytes = max(0, int(pool_bytes))
-    per_token = (lay.tokens_block_bytes + sum(b / m for m, b in lay.entry_block_bytes.items())) / lay.block_tokens
-    blocks = max(0, int((pool_bytes - max_num_seqs * sum(lay.entry_block_bytes.values()))
-                        // (per_token * lay.block_tokens)))
-    while blocks and _engine_bytes(lay, blocks, max_num_seqs) > pool_bytes:    # rounding of cdiv(blocks, m)
+    fixed = lay.total_bytes(0)                      # ring slots and each group's max_seqs partial blocks
+    length = max_model_len + lay.slack              # the engine provisions max_model_len + 1 + gamma (llm_engine)
+    # an upper bound: cdiv(num_blocks, m) only rounds up, so the exact total is at least this estimate's
+    blocks = max(0, int((pool_bytes - fixed) // (lay.kv_bytes_per_token * lay.block_tokens)))
+    while blocks and lay.total_bytes(blocks) > pool_bytes:
         blocks -= 1
-    seq = sequence_bytes(lay, max_model_len)
-    return Capacity(pool_bytes, blocks * lay.block_tokens, blocks, per_token,
-                    pool_bytes // seq * max_model_len, seq)
+    if not blocks:                                  # not even the ring slots and one block fit
+        return Capacity(pool_bytes, 0, 0, 0, length, 0, "pool")
+    by_blocks = min((group_blocks(blocks, m, lay.max_seqs) // n for m, n in lay.blocks_for(length).items() if n),
+                    default=lay.max_seqs)
+    return Capacity(pool_bytes, blocks, blocks * lay.block_tokens, lay.total_bytes(blocks), length,
+                    min(lay.max_seqs, by_blocks), "blocks" if by_blocks < lay.max_seqs else "max_num_seqs")

@@ -10,14 +10,17 @@ launches depend on its kind only (the generated code is one function per kind), 
 checkpoint keeps one backbone layer per kind the real schedule has (5 layers, ~4.5k tensors
 instead of 36k) and the counts are scaled to the real 43-layer schedule;
 `shrunk_flash(full_depth=True)` builds the whole schedule, which tests/planner/test_launches.py (slow)
-checks gives the same counts. `--record` keeps them in data/decode-launches.json for the speed
-planner (lib/planner/speed.py); tests/planner/test_launches.py fails when they go stale.
+checks gives the same counts. The step runs over the engine's paged cache (lib/runtime/paged_step.py):
+`--batch B` prefills B sequences, then counts one decode step (and one DSpark round) of all B
+together; the ops are batch-wide, so a step launches the same kernels at any B. Building the
+step's addressing is host bookkeeping and is reported apart. `--record` keeps the counts in
+data/decode-launches.json for the speed planner (lib/planner/speed.py); tests/planner/test_launches.py
+fails when they go stale.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -27,7 +30,9 @@ import torch
 from lib.console.stages import Stages
 from lib.records.batch import make_batch
 from lib.guard.capability import CapabilityGuard, rules_from_profile
-from lib.runtime.loaded_model import load_model, step
+from lib.engine.cache_sizing import blocks_for, make_store
+from lib.runtime.loaded_model import load_model
+from lib.runtime.paged_step import paged_step
 from lib.weights.tiny_checkpoint import cache_root, make_tiny
 from spec.profile import load_profile
 from spec.schedule import backbone, drafter_kind
@@ -65,6 +70,8 @@ class LaunchReport(NamedTuple):
     # "context" (drafter ring rows of committed positions), "draft" (the drafter's block); None
     # for a checkpoint without a DSpark drafter
     dspark: dict[str, int] | None = None
+    batch: int = 1     # sequences that stepped together (the counts must not depend on it)
+    addressing: int = 0     # host ops building the decode step's Addressing (paged cache), not launches
 
 
 def shrunk_flash(full_depth: bool = False, stages: Stages | None = None) -> Path:
@@ -111,31 +118,74 @@ def _kind_counts(cfg) -> dict[str, int]:
     return layers
 
 
-def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
-    """Counts of one decode step and one DSpark round of the model at `path`; by default the
-    reduced-depth shrunk Flash, scaled to the real flash-0731 schedule."""
-    from lib.engine.drafting import block_size, context_rows, propose
+def _prefilled(model, batch: int, gamma: int, spark: bool):
+    """A paged cache of `batch` sequences of PREFILL positions each (and their drafter ring rows),
+    prefilled together before anything is counted; room for a decode step or a verify after."""
+    from lib.engine.drafting import context_rows
 
+    store = make_store(model, blocks_for(model, batch, PREFILL + 1 + gamma), batch, rings=spark, slack=1 + gamma)
+    ids = list(range(batch))
+    for s in ids:
+        store.add(s)
+    prompts = make_batch([[20 + (s + i) % 100 for i in range(PREFILL)] for s in ids])   # routed differently
+    _, hidden = paged_step(model, prompts, store, ids, with_hidden=True)
+    if spark:
+        rows = context_rows(model, hidden, prompts.positions)
+        for s in ids:
+            store.write_ring(s, 0, [r[s * PREFILL:(s + 1) * PREFILL] for r in rows])
+    return store
+
+
+class Counted(NamedTuple):
+    """A model loaded to count launches on, and the schedule its counts are scaled to."""
+    model: object          # lib.runtime.loaded_model.Model
+    schedule: object       # spec.config.ModelConfig
+    path: Path
+
+
+def load_counted(backend: str, path: Path | None = None) -> Counted:
+    """The model at `path` on `backend`; by default the reduced-depth shrunk Flash, whose counts
+    are scaled to the real flash-0731 schedule."""
     schedule = variant_config("flash-0731") if path is None else None
     path = path or shrunk_flash()
     model = load_model(path, backend, progress=True)
-    schedule = schedule or model.cfg
+    return Counted(model, schedule or model.cfg, path)
+
+
+def decode_launches(backend: str, path: Path | None = None, batch: int = 1) -> LaunchReport:
+    return count_launches(load_counted(backend, path), batch)
+
+
+def count_launches(counted: Counted, batch: int = 1, with_round: bool = True) -> LaunchReport:
+    """Counts of one decode step and (`with_round`, where the model drafts) one DSpark round of
+    `batch` sequences stepping together. The ops are batch-wide, so the counts must not depend on
+    `batch` (tests/planner/test_launches.py)."""
+    from lib.engine.drafting import block_size, context_rows, propose
+
+    if batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {batch}")
+    model, schedule, path = counted
+    backend = model.backend
     spark = drafter_kind(model.cfg) == "dspark"
-    _, caches, hidden = step(model, make_batch([list(range(20, 20 + PREFILL))]), [model.new_cache()], with_hidden=True)
-    rings = context_rows(model, hidden, torch.arange(PREFILL)) if spark else None
+    gamma = block_size(model) if spark else 0
+    store = _prefilled(model, batch, gamma, spark)
+    ids = list(range(batch))
     guard = CapabilityGuard(rules_from_profile(load_profile(backend)), mode="count")
-    module = importlib.import_module(f"backends.{backend}._generated.model")
-    with guard, _per_block_sections(module, guard):
+    # the batches are the scheduler's host-side input, made before the count (positions_of reads a length)
+    decode = make_batch([[7]] * batch, [PREFILL] * batch, last_only=True)
+    verify = make_batch([[7] + [model.cfg.dspark_noise_token_id] * gamma] * batch, [PREFILL] * batch)  # anchor + drafts
+    with guard, _per_block_sections(model.module, guard):
         with guard.section("decode"):
-            step(model, make_batch([[7]], [PREFILL], last_only=True), caches)
-        if spark:
-            block = [7] + [model.cfg.dspark_noise_token_id] * block_size(model)   # anchor + drafts, as verified
+            paged_step(model, decode, store, ids)
+        if spark and with_round:
+            for s in ids:       # the round starts from the state the decode step did (a one-position rewind)
+                store.set_length(s, PREFILL)
             with guard.section("verify"):
-                _, _, hid = step(model, make_batch([block], [PREFILL]), caches, with_hidden=True)
-            with guard.section("context"):
-                context_rows(model, hid[:1], torch.tensor([PREFILL]))
+                _, hid = paged_step(model, verify, store, ids, commit=False, with_hidden=True)
+            with guard.section("context"):        # ring rows of each sequence's accepted anchor
+                context_rows(model, hid[::1 + gamma], torch.full((batch,), PREFILL, dtype=torch.int64))
             with guard.section("draft"):
-                propose(model, [7], [PREFILL], [rings], _greedy)
+                propose(model, [7] * batch, store, ids, _greedy)
     sections = guard.report().sections
     held, real = _kind_counts(model.cfg), _kind_counts(schedule)
     if set(held) != set(real):
@@ -153,18 +203,21 @@ def decode_launches(backend: str, path: Path | None = None) -> LaunchReport:
 
     rows = tuple(KindRow(k, n, per_layer("decode", k, "ops"), per_layer("decode", k, "syncs")) for k, n in real.items())
     dspark = None
-    if spark:      # the drafter's depth is the real one: its parts are plain sums
+    if spark and with_round:      # the drafter's depth is the real one: its parts are plain sums
         dspark = {"verify": part_total("verify")}
         dspark |= {part: sum(c.ops for name, c in sections.items() if name.split("/")[0] == part)
                    for part in ("context", "draft")}
-    return LaunchReport(backend, rows, sections["decode"].ops, part_total("decode"), part_total("decode", "syncs"), dspark)
+    return LaunchReport(backend, rows, sections["decode"].ops, part_total("decode"), part_total("decode", "syncs"),
+                        dspark, batch, sections["decode/paged cache"].ops)
 
 
 def format_report(r: LaunchReport) -> str:
-    lines = [f"backend {r.backend}: one decode step of the DeepSeek-V4-Flash schedule (43 layers, 256 experts, "
-             f"top-6; widths shrunk)", f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
+    lines = [f"backend {r.backend}: one decode step of {r.batch} sequence(s) on the DeepSeek-V4-Flash schedule "
+             f"(43 layers, 256 experts, top-6; widths shrunk)",
+             f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
     lines += [f"  {row.kind:<18} {row.layers:>6} {row.launches:>15} {row.syncs:>12}" for row in r.rows]
-    lines += [f"  {'outside blocks':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}"]
+    lines += [f"  {'outside blocks':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}",
+              f"  (besides: {r.addressing} host ops building the step's paged-cache addressing)"]
     if r.dspark:
         lines.append(f"  DSpark round: verify {r.dspark['verify']} + drafter ring rows {r.dspark['context']} + "
                      f"draft block {r.dspark['draft']} launches")

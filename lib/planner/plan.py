@@ -59,8 +59,8 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     budget = int(device.memory_bytes.value * d.memory_fraction)
     pool = d.kv_cache_bytes if d.kv_cache_bytes is not None else budget - weights.rollup()["total"] - workspace - reserve
     cfg = variant_config(d.variant)
-    layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) == "dspark")
-    capacity = plan_cache.capacity(layout, pool, d.max_model_len, d.max_num_seqs)
+    layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) == "dspark", d.max_num_seqs)
+    capacity = plan_cache.capacity(layout, pool, d.max_model_len)
     speed = plan_speed.speed(d, weights, layout, context or d.max_model_len, acceptance)
     return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d), speed,
                 device)
@@ -85,11 +85,17 @@ def as_json(p: Plan) -> dict:
         "weights_by_class": {f"{role}:{c.tensor_class}": {"format": c.runtime_format, "data": c.data, "scale": c.scale}
                              for role, classes in (("target", p.weights.target), ("draft", p.weights.draft))
                              for c in classes},
-        "kv_bytes_per_token": {**p.layout.per_token, "engine_per_admitted_token": p.capacity.per_admitted_token},
+        "kv_bytes_per_token": p.layout.kv_bytes_per_token,
+        "kv_fixed_bytes_per_sequence": p.layout.kv_fixed_bytes_per_sequence,
+        "kv_bytes_per_token_by_kind": p.layout.per_token,
+        "kv_fixed_bytes_per_sequence_by_kind": p.layout.per_sequence,
+        "kv_slack": p.layout.slack,
         "kv_pool_bytes": p.capacity.pool_bytes,
-        "kv_capacity_tokens": p.capacity.engine_tokens,
-        "kv_capacity_tokens_windowed": p.capacity.windowed_tokens,
-        "engine_num_blocks": p.capacity.engine_blocks,
+        "kv_allocated_bytes": p.capacity.allocated_bytes,
+        "kv_capacity_tokens": p.capacity.tokens,
+        "kv_capacity_sequences": p.capacity.sequences,
+        "kv_capacity_limited_by": p.capacity.limited_by,
+        "engine_num_blocks": p.capacity.num_blocks,
         "memory": {"device": p.device_memory, "budget": p.budget, "workspace": p.workspace, "reserve": p.reserve,
                    "occupied": p.occupied, "fits": p.fits},
         "preconverted_checkpoint_bytes": p.preconverted.total_bytes,

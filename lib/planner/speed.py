@@ -133,9 +133,10 @@ def _target(d: Deployment, w: Weights, lay: CacheLayout, context: int, tokens: i
     dense = sum(c.data + c.scale for c in w.target if c.tensor_class not in (*GATHERED, "routed_expert"))
     csa_ratio = next((layer.ratio for layer in layers if layer.attention == "csa"), 4)
     entries = context // csa_ratio
-    kv = (min(context, cfg.sliding_window) * lay.per_token["window_ring"]
-          + context * (lay.per_token["indexer_keys"] + lay.per_token["hca_entries"])     # every key scored, every HCA entry
-          + min(cfg.index_topk, entries) * csa_ratio * lay.per_token["csa_entries"])   # the selected CSA entries
+    per, row = lay.per_token, lay.ring_row
+    kv = (min(context, cfg.sliding_window) * row["window_ring"]                  # the window's live rows
+          + context * (per["indexer_keys"] + per["hca_entries"])                # every key scored, every HCA entry
+          + min(cfg.index_topk, entries) * csa_ratio * per["csa_entries"])      # the selected CSA entries
     hidden = tokens * cfg.hidden_size * _act_bytes(d)
     messages = _tp(d, "all_reduce", hidden)                                  # embedding (vocab rows split)
     for layer in layers:
@@ -154,7 +155,7 @@ def _draft(d: Deployment, w: Weights, lay: CacheLayout, context: int, launches: 
     stages, gamma = drafter(cfg), cfg.dspark_block_size
     dense = sum(c.data + c.scale for c in w.draft if c.tensor_class != "routed_expert")
     head = sum(c.data for c in w.target if c.tensor_class == "head")         # the drafter shares the target's head
-    rings = min(context, cfg.sliding_window) * lay.per_token["draft_rings"]     # read once for the whole block
+    rings = min(context, cfg.sliding_window) * lay.ring_row["draft_rings"]     # read once for the whole block
     hidden = gamma * cfg.hidden_size * _act_bytes(d)
     messages = (_tp(d, "all_reduce", hidden) + _moe(d, gamma, cfg.hidden_size, cfg.num_experts_per_tok)) * len(stages)
     messages += _tp(d, "all_gather", gamma * cfg.vocab_size * LOGIT_BYTES)

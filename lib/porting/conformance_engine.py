@@ -24,14 +24,15 @@ from typing import NamedTuple
 import torch
 
 from lib.engine import drafting as dspark
-
-from lib.weights import expert_conversion as preconvert
-from lib.records.batch import make_batch
 from lib.engine.llm_engine import Engine, EngineConfig
-from lib.guard.capability import CapabilityGuard, rules_from_profile
-from lib.weights.params import LoadOptions
-from lib.runtime.loaded_model import Model, load_model, step
 from lib.engine.sampling import SamplingParams, token_logprobs
+from lib.guard.capability import CapabilityGuard, rules_from_profile
+from lib.records.batch import make_batch
+from lib.runtime.loaded_model import Model, load_model
+from lib.runtime.paged_cache import PagedCache
+from lib.runtime.paged_step import prefill_logits
+from lib.weights import expert_conversion as preconvert
+from lib.weights.params import LoadOptions
 from spec.config import load_config_json
 from spec.profile import Profile
 from spec.schedule import drafter_kind
@@ -60,7 +61,7 @@ def reference_draft(ref: Model, sequence: list[int]) -> DraftReference | None:
         return None
     n = len(sequence)
     starts = sorted(set(torch.linspace(n // 2, n - 1, DRAFT_BLOCKS).round().long().tolist()))
-    _, _, hidden = step(ref, make_batch([sequence[:-1]]), [ref.new_cache()], with_hidden=True)
+    _, hidden = prefill_logits(ref, sequence[:-1], with_hidden=True)
     anchors = [sequence[start] for start in starts]
     tokens, logits = _draft(ref, hidden, starts, anchors, forced=None)
     return DraftReference(starts, anchors, hidden, tokens, logits)
@@ -76,19 +77,27 @@ def has_dspark_drafter(model_path) -> bool:
 
 
 def _draft(model: Model, hidden: torch.Tensor, starts: list[int], anchors: list[int], forced):
-    """Greedy draft blocks from context features; `forced` [S, gamma] overrides each Markov choice."""
+    """Greedy draft blocks from context features; `forced` [S, gamma] overrides each Markov choice.
+
+    One sequence per block, committed to its start with its drafter rings written from `hidden`;
+    the drafter reads only those rings, so the target's forward is not run for them: address()
+    marks the positions written, which set_length requires before committing them."""
     window = model.cfg.sliding_window
-    rings = []
-    for start in starts:
+    store = PagedCache.for_lengths(model, starts, rings=True)
+    for seq, start in enumerate(starts):
+        store.add(seq)
+        store.ensure(seq, start)
+        store.address(make_batch([[0] * start]), [seq])
+        store.set_length(seq, start)
         lo = max(0, start - window)
-        rings.append(dspark.context_rows(model, hidden[lo:start], torch.arange(lo, start)))
+        store.write_ring(seq, lo, dspark.context_rows(model, hidden[lo:start], torch.arange(lo, start)))
     chosen_from = []
 
     def choose(logits: torch.Tensor, k: int):
         chosen_from.append(logits)
         return (logits.argmax(-1) if forced is None else forced[:, k]), None
 
-    block = dspark.propose(model, anchors, starts, rings, choose)
+    block = dspark.propose(model, anchors, store, list(range(len(starts))), choose)
     return block.tokens, torch.stack(chosen_from, dim=1)
 
 

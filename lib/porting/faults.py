@@ -1,11 +1,12 @@
 """The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
-backend's code path, so conformance can prove it catches each one.
+backend's code path, so conformance can prove it catches each one, and two long-context bugs (C01,
+C02, lib/porting/state_faults.py) that only `--context` conformance can see.
 
 Nothing is patched. A bug reaches the backend the way the field port carried it, through one of
 the code's explicit fault sites: the generated code rendered again with the wrong call, argument
 or runtime-format table (codegen Rewrite, into a temporary package the device model is loaded
 from); the loader's LoadFaults (the stored bytes as the port read them, TP slicing, the EP map);
-the paged cache's PagedSites; the engine's logprob scorer. `with injection(bug, backend) as fault`
+the paged state's address arithmetic (PagedSites, passed to PagedCache); the engine's logprob scorer. `with injection(bug, backend) as fault`
 yields what to pass where; conformance loads and runs only the device backend with it.
 """
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 
 from codegen.lower import Rewrite
 from lib.engine.sampling import TokenLogprobs, token_logprobs
+from lib.porting import state_faults as state
+from lib.porting.rendering import rendered
 from lib.quant import bit_codecs, reference_formats
 from lib.quant.runtime_formats import W8A8, to_w4a8_channel, to_w8a8_group, to_w8a8_row
+from lib.records.addressing import PagedSites
 from lib.records.expert_placement import expert_placement
-from lib.porting.rendering import rendered
 from lib.runtime.loaded_model import Generated
-from lib.runtime.paged_cache import PagedSites, group_positions
 from lib.weights.params import LoadFaults, LoadOptions
 from lib.weights.tp_slices import part_index
 
@@ -41,6 +43,7 @@ class Injection(NamedTuple):
     paged: PagedSites = PagedSites()
     logprob_scorer: Callable = token_logprobs
     min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
+    min_context: int = 0             # positions before the bug changes anything (C01, C02: long-context conformance)
 
     @property
     def load_only(self) -> bool:
@@ -166,25 +169,7 @@ def shared_over_scale_add(a, b):
     return a + b.to(a.dtype) / 1.5
 
 
-# ---- paged-cache and engine sites -----------------------------------------------------------------
-def logical_as_physical(table, q, block_tokens, logical_block_tokens):
-    """B12: the logical block id used as the physical block id."""
-    logical = table.index_select(0, (q // logical_block_tokens).to(torch.int32)).to(torch.int64)
-    return logical * block_tokens + q % block_tokens
-
-
-def raw_token_positions(group, start, end):
-    """B13: compressed entries slotted by the position of the token that emitted them."""
-    if group.ratio == 0:
-        return group_positions(group, start, end)
-    return (torch.arange(start // group.ratio, end // group.ratio) + 1) * group.ratio - 1
-
-
-def last_group(metas, ratio):
-    """B14: every layer reads the last cache group's metadata."""
-    return metas[-1]
-
-
+# ---- engine sites (the paged state's: lib/porting/state_faults.py) ----------------------------------
 def mask_indexed_logprobs(logits, token_ids, top):
     """B20: the chosen token's logprob picked out by a boolean mask (nonzero on the device, L12)."""
     logp = torch.log_softmax(logits.float(), -1)
@@ -234,11 +219,11 @@ CATALOGUE: dict[str, Injection] = {
                      load=LoadFaults(expert_placement=rank0_placement)),
     # paged decode state: only 310P's hybrid geometry (L19) makes logical and physical ids differ
     "B12": Injection("B12", "logical block id used as physical block id", ("ascend310p",),
-                     paged=PagedSites(physical_slots=logical_as_physical)),
-    "B13": Injection("B13", "compressed groups slotted by raw token positions", ALL,
-                     paged=PagedSites(group_positions=raw_token_positions)),
-    "B14": Injection("B14", "every layer reads the last cache group's metadata", ALL,
-                     paged=PagedSites(group_of=last_group)),
+                     paged=PagedSites(physical_slots=state.logical_as_physical)),
+    "B13": Injection("B13", "compressed entries slotted by raw token positions", ALL,
+                     paged=PagedSites(entry_ids=state.raw_token_positions)),
+    "B14": Injection("B14", "every layer reads the last entry group's block tables", ALL,
+                     paged=PagedSites(group_of=state.last_group)),
     # drafter: only backends with a preconverted expert mode (profile expert_modes) have the flag
     "B17": Injection("B17", "drafter experts taken as already converted in expert mode preconverted", PRECONVERTED,
                      rewrite=_rewrite(expert_modes={"preconverted": "__b17_taken_as_converted__"},
@@ -246,6 +231,14 @@ CATALOGUE: dict[str, Injection] = {
                                                   "lib.porting.faults:b17_taken_as_converted"})),
     # the engine's logprob assembly is shared by every backend; the guard refuses mask indexing on all
     "B20": Injection("B20", "logprobs assembled with boolean-mask indexing", ALL, logprob_scorer=mask_indexed_logprobs),
+    # long-context bugs (not from the field): exact below min_context positions, so only
+    # `--context` conformance past that length can see them
+    "C01": Injection("C01", "compressed-entry RoPE positions carried in float16 (one window off past 8192)", ALL,
+                     rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions"}),
+                     min_context=state.C01_SHOWS_FROM),
+    "C02": Injection("C02", "indexer top-k restarted per block of entries (only the last block's survives)", ALL,
+                     rewrite=_rewrite(calls={"index_select": "lib.porting.state_faults:last_block_top_k"}),
+                     min_context=state.C02_SHOWS_FROM),
 }
 
 def check(bug: str, backend: str) -> Injection:

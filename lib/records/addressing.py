@@ -25,8 +25,8 @@ def physical_slots(table: torch.Tensor, seq: torch.Tensor, q: torch.Tensor, bloc
 
     logical = table[seq, q // l]; physical = logical // f; offset = (logical % f) * l + q % l;
     row = physical * P + offset. The factor f comes from the table geometry (P, l), never from
-    request data (B12). Entries past a table (padding of a batch-wide read) land on row 0; the
-    caller masks them."""
+    request data (B12). Entries past a table or on its -1 padding (a batch-wide read of
+    sequences of different lengths) land in block 0; the caller masks them."""
     factor = block_tokens // logical_block_tokens
     col = (q // logical_block_tokens).clamp(0, max(0, table.shape[1] - 1))
     logical = table[seq, col].clamp(min=0).to(torch.int64) if table.shape[1] else torch.zeros_like(q)
@@ -96,11 +96,20 @@ class Addressing(NamedTuple):
         """Every entry of every batch sequence at its end: (pool rows [S, E], ids [S, E]) with
         E = max_entries[ratio]; ids >= seq_end // ratio are padding (row 0)."""
         n, s = self.max_entries[ratio], self.seq_slot.shape[0]
-        ids = torch.arange(n, dtype=torch.int64).expand(s, n)
-        seq = torch.arange(s, dtype=torch.int64)[:, None].expand(s, n)
+        dev = self.row_seq.device
+        ids = torch.arange(n, dtype=torch.int64, device=dev).expand(s, n)
+        seq = torch.arange(s, dtype=torch.int64, device=dev)[:, None].expand(s, n)
         return self.entry_rows(ratio, seq.reshape(-1), ids.reshape(-1)).view(s, n), ids
 
     # ---- rings (per-sequence slots) --------------------------------------------------------
+    def to(self, device) -> Addressing:
+        """The same addresses with every tensor on `device` (host ints and functions stay)."""
+        move = lambda t: t.to(device)
+        return self._replace(row_seq=move(self.row_seq), seq_slot=move(self.seq_slot), seq_start=move(self.seq_start),
+                             seq_end=move(self.seq_end), seq_lo=move(self.seq_lo),
+                             tables=tuple(GroupTable(g.ratio, move(g.table)) for g in self.tables),
+                             writes={m: EntryWrites(*(move(t) for t in w)) for m, w in self.writes.items()})
+
     def ring_rows(self, seq: torch.Tensor, q: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows [k] of positions q [k] of sequences seq [k] in a ring pool of `ring` rows per slot,
         viewed flat [(max_seqs + 1) * ring, C]."""

@@ -38,11 +38,12 @@ class PagedCache:
     """Pools for every layer's decode state, the per-sequence slots and block tables."""
 
     def __init__(self, model, num_blocks: int, *, max_seqs: int, slack: int = 1, rings: bool = False,
-                 sites: PagedSites = PagedSites()):
+                 sites: PagedSites = PagedSites(), device=None):
         """`model`: a loaded model (or anything with its cfg, state, facts, layers and stages);
         `num_blocks`: context capacity in blocks of `block_tokens` positions (each entry group gets
         cdiv(num_blocks, ratio) + max_seqs blocks); `slack`: positions one step may leave
-        uncommitted (1 + the draft block when speculating); `rings`: drafter context rings."""
+        uncommitted (1 + the draft block when speculating); `rings`: drafter context rings;
+        `device`: where the pools and every step's addresses live (default: torch's default)."""
         if max_seqs < 1 or num_blocks < 1 or slack < 1:
             raise ValueError(f"a paged cache needs max_seqs, num_blocks and slack >= 1 (got {max_seqs}, "
                              f"{num_blocks}, {slack})")
@@ -57,7 +58,8 @@ class PagedCache:
         self._alloc = {m: BlockAllocator(group_blocks(num_blocks, m, max_seqs)) for m in self.ratios}
         self._slots = BlockAllocator(max_seqs)
         self._seqs: dict[object, _Seq] = {}
-        tensors = {(s.owner, s.item): torch.zeros(s.shape, dtype=s.dtype) for s in self.shapes}
+        self.device = device
+        tensors = {(s.owner, s.item): torch.zeros(s.shape, dtype=s.dtype, device=device) for s in self.shapes}
         self._layer_infos = tuple(model.layers)
         self.layers = tuple(_layer_pools(tensors, f"layer{layer.index}", layer.ratio) for layer in model.layers)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
@@ -162,48 +164,47 @@ class PagedCache:
         ends = [s + n for s, n in zip(batch.starts, batch.seq_lens)]
         if any(self._needed(seq, end)[m] for seq, end in zip(seqs, ends) for m in self.ratios):
             raise ValueError("positions of this batch are not allocated; ensure() them first")
-        lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-        lo = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)[:-1]))
+        lo = [sum(batch.seq_lens[:i]) for i in range(len(seqs))]      # host ints: metadata is built on the host
         tables, writes = [], {}
         for m in self.ratios:
             width = max(len(seq.tables[m]) for seq in seqs)
-            table = torch.full((len(seqs), width), -1, dtype=torch.int32)
-            for i, seq in enumerate(seqs):
-                table[i, :len(seq.tables[m])] = torch.tensor(seq.tables[m], dtype=torch.int32)
+            table = torch.tensor([seq.tables[m] + [-1] * (width - len(seq.tables[m])) for seq in seqs],
+                                 dtype=torch.int32).view(len(seqs), width)
             tables.append(GroupTable(m, table))
             writes[m] = self._entry_writes(m, table, batch.starts, ends, lo)
         for seq, end in zip(seqs, ends):
             seq.written = end
-        state = Addressing(torch.arange(len(seqs)).repeat_interleave(lens),
-                           torch.tensor([seq.slot for seq in seqs], dtype=torch.int64),
-                           torch.tensor(batch.starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64), lo,
-                           tuple(tables), writes, {m: max(ends) // m for m in self.ratios}, self.max_seqs,
-                           self.block_tokens, self.logical_block_tokens, self.sites)
-        return batch._replace(state=state)
+        state = Addressing(_rows_of(batch.seq_lens), torch.tensor([seq.slot for seq in seqs]),
+                           torch.tensor(batch.starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64),
+                           torch.tensor(lo, dtype=torch.int64), tuple(tables), writes,
+                           {m: max(ends) // m for m in self.ratios}, self.max_seqs, self.block_tokens,
+                           self.logical_block_tokens, self.sites)
+        return batch._replace(state=state if self.device is None else state.to(self.device))
 
-    def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: torch.Tensor) -> EntryWrites:
+    def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int]) -> EntryWrites:
         """The entries tokens [start, end) complete: entry e by the token at position (e + 1) m - 1;
         its pool row from the slot-side arithmetic (sites: where B13 goes wrong)."""
-        ids = [torch.arange(s // m, e // m, dtype=torch.int64) for s, e in zip(starts, ends)]
-        slot_ids = [self.sites.entry_ids(m, s, e) for s, e in zip(starts, ends)]
-        seq = torch.cat([torch.full((len(i),), k, dtype=torch.int64) for k, i in enumerate(ids)])
-        ids_t, at = torch.cat(ids), torch.cat(slot_ids)
-        rows = lo[seq] + (ids_t + 1) * m - 1 - torch.tensor(starts, dtype=torch.int64)[seq]
+        done = [(k, e) for k, (s, end) in enumerate(zip(starts, ends)) for e in range(s // m, end // m)]
+        seq = torch.tensor([k for k, _ in done], dtype=torch.int64)
+        ids = torch.tensor([e for _, e in done], dtype=torch.int64)
+        rows = torch.tensor([lo[k] + (e + 1) * m - 1 - starts[k] for k, e in done], dtype=torch.int64)
+        at = torch.cat([self.sites.entry_ids(m, s, end) for s, end in zip(starts, ends)])
         slots = self.sites.physical_slots(table, seq, at, self.block_tokens, self.logical_block_tokens)
-        return EntryWrites(rows, seq, ids_t, slots)
+        return EntryWrites(rows, seq, ids, slots)
 
     # ---- drafter rings -----------------------------------------------------------------------
     def ring_address(self, seq_ids: list, batch: Batch) -> Batch:
         """A draft batch's addresses: slots and committed lengths only (the drafter reads its
         rings; nothing of the target's state)."""
         seqs = [self._seq(s) for s in seq_ids]
-        lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-        lo = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)[:-1]))
-        starts = torch.tensor([seq.length for seq in seqs], dtype=torch.int64)
-        state = Addressing(torch.arange(len(seqs)).repeat_interleave(lens),
-                           torch.tensor([seq.slot for seq in seqs], dtype=torch.int64), starts, starts + lens, lo,
+        lo = [sum(batch.seq_lens[:i]) for i in range(len(seqs))]
+        starts = [seq.length for seq in seqs]
+        state = Addressing(_rows_of(batch.seq_lens), torch.tensor([seq.slot for seq in seqs]),
+                           torch.tensor(starts, dtype=torch.int64),
+                           torch.tensor([s + n for s, n in zip(starts, batch.seq_lens)], dtype=torch.int64),
+                           torch.tensor(lo, dtype=torch.int64),
                            (), {}, {}, self.max_seqs, self.block_tokens, self.logical_block_tokens, self.sites)
-        return batch._replace(state=state)
+        return batch._replace(state=state if self.device is None else state.to(self.device))
 
     def write_ring(self, seq_id, start: int, rows: list[torch.Tensor]) -> None:
         """rows[s] [n, D]: drafter stage s's ring rows for committed positions [start, start + n)."""
@@ -214,7 +215,8 @@ class PagedCache:
             n = min(values.shape[0], r)
             q = torch.arange(start + values.shape[0] - n, start + values.shape[0])
             with torch.no_grad():
-                ring.view(-1, ring.shape[-1]).index_copy_(0, seq.slot * r + q % r, values[-n:].to(ring.dtype))
+                ring.view(-1, ring.shape[-1]).index_copy_(0, (seq.slot * r + q % r).to(ring.device),
+                                                          values[-n:].to(ring.device, ring.dtype))
 
     # ---- inspection ----------------------------------------------------------------------------
     def live_rows(self, seq_id) -> dict[str, torch.Tensor]:
@@ -258,6 +260,11 @@ class PagedCache:
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shapes)
+
+
+def _rows_of(seq_lens) -> torch.Tensor:
+    """[T] int64 batch sequence of each token row."""
+    return torch.tensor([k for k, n in enumerate(seq_lens) for _ in range(n)], dtype=torch.int64)
 
 
 def _ring_read(pool: torch.Tensor, slot: int, lo: int, hi: int) -> torch.Tensor:

@@ -3,10 +3,12 @@
 Weights are drawn per logical tensor of the spec's tensor table (same order, one seeded
 generator), then encoded by the tensor's storage format (FP8 + E8M0 block scales, packed MXFP4,
 BF16/F32/I64), so the loader, codecs and every backend see what a real checkpoint holds. The
-embedded tiny checkpoint is this with the `tiny` preset, cached on first use.
+embedded tiny checkpoint is this with the `tiny` preset, cached on first use; `PRESETS` adds
+override sets of that variant for checks the tiny widths serve but its window and ratios do not.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +27,18 @@ TINY_VARIANT = "tiny"
 TINY_SEED = 0
 # Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
 MAKER_VERSION = 4
+
+# Named override sets of the `tiny` variant (`dsv4gen make-tiny --preset`, `embedded_tiny(preset=)`).
+# `tiny-long`: Flash's window 128 and compress ratios 4 / 128 at the tiny widths, no drafter, room
+# for 64K positions: long-context conformance (lib/porting/conformance_context.py), where CSA must
+# choose among thousands of entries and HCA attend to more than one block of them. index_topk 64
+# makes the selected entries a real share of each attention (the tiny preset's 4 would not).
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    "tiny-long": {"sliding_window": 128, "compress_ratios": [0, 0, 4, 128, 4, 128], "index_topk": 64,
+                  "max_position_embeddings": 65536, "dspark_block_size": None, "dspark_noise_token_id": None,
+                  "dspark_target_layer_ids": None, "dspark_markov_rank": None},
+}
 
 
 def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
@@ -91,8 +105,11 @@ def side_files(cfg: ModelConfig) -> dict[str, str]:
 
 
 def make_tiny(out: Path | str, seed: int = TINY_SEED, overrides: dict | None = None, shards: int = 4,
-              overwrite: bool = False, progress: bool = False) -> Path:
-    cfg = variant_config(TINY_VARIANT, overrides)
+              overwrite: bool = False, progress: bool = False, preset: str = "tiny") -> Path:
+    """A random checkpoint of the `tiny` variant with `preset`'s overrides, then `overrides`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny preset '{preset}' (accepted: {', '.join(PRESETS)})")
+    cfg = variant_config(TINY_VARIANT, {**PRESETS[preset], **(overrides or {})})
     out = Path(out)
     # refuse cheap-to-detect problems before spending time on the weights
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -118,10 +135,13 @@ def maker_hash(key: str) -> str:
     return h.hexdigest()[:16]
 
 
-def embedded_tiny(out=None) -> Path:
-    """The embedded tiny checkpoint: made deterministically on first use (saying so on `out`, a text
-    stream, default stderr: it takes a while), then reused silently."""
-    path = cache_root() / f"tiny-{maker_hash(str(TINY_SEED))}"
+def embedded_tiny(out=None, preset: str = "tiny") -> Path:
+    """The embedded tiny checkpoint (of `preset`): made deterministically on first use (saying so on
+    `out`, a text stream, default stderr: it takes a while), then reused silently."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny preset '{preset}' (accepted: {', '.join(PRESETS)})")
+    key = str(TINY_SEED) if preset == "tiny" else f"{preset}:{TINY_SEED}"
+    path = cache_root() / f"{preset}-{maker_hash(key)}"
     if not (path / "config.json").exists():
         import sys
         import time
@@ -129,6 +149,7 @@ def embedded_tiny(out=None) -> Path:
         out = out or sys.stderr
         print(f"making the embedded tiny checkpoint in {path} (first use) ...", file=out, flush=True)
         start = time.monotonic()
-        make_tiny(path, overwrite=True)
+        make = make_tiny if preset == "tiny" else functools.partial(make_tiny, preset=preset)
+        make(path, overwrite=True)
         print(f"made the embedded tiny checkpoint: done in {time.monotonic() - start:.1f} s", file=out, flush=True)
     return path

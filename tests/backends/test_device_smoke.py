@@ -23,7 +23,9 @@ import backends.ascend910.device_ops as p910
 import backends.hip936.device_ops as hip
 from lib.emulation import npu_ops as emu
 from lib.records.batch import make_batch
-from lib.runtime.loaded_model import load_model, step
+from lib.runtime.loaded_model import load_model
+from lib.runtime.paged_cache import PagedCache
+from lib.runtime.paged_step import paged_step
 
 F16, BF16, I8, I64 = torch.float16, torch.bfloat16, torch.int8, torch.int64
 PROMPT = 7  # prefill tokens of the end-to-end step
@@ -139,13 +141,19 @@ def _end_to_end(backend: str, device: str, ckpt) -> None:
     vocab = model.cfg.vocab_size
     ids = torch.randint(16, vocab, (PROMPT,), generator=_gen(3)).tolist()
     with _emulated():
-        want, _ = step(model, make_batch([ids]), [model.new_cache()])
+        store = PagedCache.for_lengths(model, [PROMPT])
+        store.add(0)
+        (want,) = paged_step(model, make_batch([ids]), store, [0])
     on_device = model._replace(params=_to(model.params, device), rope=_to(model.rope, device))
-    logits, caches = step(on_device, _to(make_batch([ids]), device), [_to(model.new_cache(), device)])
+    store = PagedCache(model, 1, max_seqs=1, device=device)
+    store.add(0)
+    batch = make_batch([ids])
+    (logits,) = paged_step(on_device, batch._replace(tokens=batch.tokens.to(device), positions=batch.positions.to(device)),
+                           store, [0])
     assert logits.device.type == torch.device(device).type, f"logits on {logits.device}, not {device}"
     assert tuple(logits.shape) == (PROMPT, vocab), f"logits {tuple(logits.shape)}, expected {(PROMPT, vocab)}"
     assert torch.isfinite(logits).all(), f"{backend}: non-finite logits on {device}"
-    assert len(caches) == 1 and caches[0].length == PROMPT
+    assert store.length(0) == PROMPT
     got = logits.float().cpu()
     assert tuple(want.shape) == tuple(got.shape)
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.float().flatten(), dim=0).item()

@@ -153,9 +153,11 @@ def test_two_hundred_mixed_requests_free_every_block(cpu_model):
 
 
 def test_preempted_requests_are_recomputed_to_the_same_tokens(cpu_model):
-    prompts = [prompt_ids(30, 1024, seed=41), prompt_ids(28, 1024, seed=42), prompt_ids(25, 1024, seed=43)]
+    # 3 sequences of about 70 positions need 2 blocks of 16 CSA entries each; the cache has
+    # cdiv(1, 4) + 3 = 4 (one block of context positions plus one partial block per sequence)
+    prompts = [prompt_ids(50, 1024, seed=41), prompt_ids(48, 1024, seed=42), prompt_ids(45, 1024, seed=43)]
     reference = [list(greedy(cpu_model, p, 24)) for p in prompts]
-    engine = _engine(cpu_model, speculative="dspark", num_blocks=5)
+    engine = _engine(cpu_model, speculative="dspark", num_blocks=1, max_num_seqs=3)
     engine.scheduler.config = engine.scheduler.config._replace(decode_reserve_blocks=0)   # admit greedily
     got = engine.generate(prompts, SamplingParams(max_tokens=24, prompt_logprobs=0))
     assert [r.output for r in got] == reference
@@ -174,8 +176,9 @@ def test_refusals_name_what_was_wrong(cpu_model):
         engine.add_request([1, 5000], SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request([20, 21], SamplingParams(temperature=-1.0))
-    small = _engine(cpu_model, speculative="none", num_blocks=2)        # 32 positions in all
-    rid = small.add_request(list(range(20, 60)), SamplingParams(max_tokens=4))
+    # one block of context plus one partial block per sequence: 2 blocks of 16 CSA entries, 128 positions
+    small = _engine(cpu_model, speculative="none", num_blocks=1, max_num_seqs=1)
+    rid = small.add_request(list(range(20, 170)), SamplingParams(max_tokens=4))
     outs = small.step()
     assert outs[0].finished and outs[0].finish_reason == "error" and "cannot hold request" in outs[0].error
     assert small.requests[rid].finish_reason == "error" and not small.has_unfinished()
@@ -186,7 +189,7 @@ def test_abort_frees_blocks_at_once(cpu_model):
     rid = engine.add_request(prompt_ids(30, 1024), SamplingParams(max_tokens=50))
     for _ in range(3):
         engine.step()
-    assert engine.store.usage()["tokens"][0] > 0
+    assert engine.store.usage()["slots"][0] == 1 and engine.store.usage()["c4"][0] > 0
     engine.abort(rid)
     assert all(used == 0 for used, _ in engine.store.usage().values()) and not engine.has_unfinished()
 

@@ -2,16 +2,17 @@
 
 Launch counts bound a real NPU; decode must never wait on the host. Runs every backend on the
 shrunken-width Flash-0731 checkpoint (one layer per kind, 256 experts, top-6, scaled to the real
-43-layer schedule) through the real loader, and checks the counts the speed planner reads
-(data/decode-launches.json) are the ones measured here; `-m slow` also checks the scaling against
-the full 43-layer checkpoint.
+43-layer schedule) through the real loader and the engine's paged cache, and checks the counts the
+speed planner reads (data/decode-launches.json) are the ones measured here, and that a decode step
+of 16 sequences launches what one of a single sequence does (the ops are batch-wide); `-m slow`
+also checks the scaling against the full 43-layer checkpoint.
 """
 from __future__ import annotations
 
 import pytest
 
 from lib.cli.main import main
-from lib.planner.launch_counts import as_record, decode_launches, recorded, shrunk_flash
+from lib.planner.launch_counts import as_record, count_launches, decode_launches, load_counted, recorded, shrunk_flash
 from spec.profile import backend_names
 
 
@@ -25,9 +26,21 @@ def flash(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def loaded(flash):
+    """backend -> the shrunk Flash loaded on it, once for every test of this module."""
+    models = {}
+
+    def get(backend):
+        if backend not in models:
+            models[backend] = load_counted(backend)
+        return models[backend]
+    return get
+
+
 @pytest.mark.parametrize("backend", backend_names())
-def test_decode_step_has_no_host_sync(flash, backend):
-    report = decode_launches(backend)
+def test_decode_step_has_no_host_sync(loaded, backend):
+    report = count_launches(loaded(backend))
     kinds = {row.kind: row for row in report.rows}
     assert {k: r.layers for k, r in kinds.items()} == {"swa / hash": 2, "csa / hash": 1, "hca / learned": 20,
                                                        "csa / learned": 20}
@@ -39,12 +52,29 @@ def test_decode_step_has_no_host_sync(flash, backend):
         f"data/decode-launches.json is stale for {backend}; run: dsv4gen plan --ops --backend {backend} --record")
 
 
+# hip936's routed experts (backends/hip936/lowerings.py _routed_rows) loop in Python over each
+# (token, pick) pair up to PAIRWISE_MAX pairs, and over every local expert above it: its launches
+# grow with the batch until that lowering is batch-wide
+BATCH_BOUND = {"hip936": "hip936 routed experts loop per token / per expert (lowerings._routed_rows)"}
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=BATCH_BOUND[b]))
+                                     if b in BATCH_BOUND else b for b in backend_names()])
+def test_decode_launches_do_not_depend_on_the_batch(loaded, backend):
+    one, many = (count_launches(loaded(backend), batch, with_round=False) for batch in (1, 16))
+    assert many.batch == 16 and many.syncs == 0
+    assert (many.rows, many.outside, many.total) == (one.rows, one.outside, one.total)
+
+
 def test_plan_ops_cli(flash, capsys):
-    assert main(["plan", "--backend", "ascend310p", "--ops"]) == 0
+    assert main(["plan", "--backend", "cpu", "--ops", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "csa / learned          20" in out and "host syncs 0" in out
+    assert "decode step of 16 sequence(s)" in out and "csa / learned          20" in out and "host syncs 0" in out
+    assert f"total launches {recorded('cpu')['decode']}," in out
     assert main(["plan", "--backend", "all"]) == 2
     assert "dsv4gen plan needs one --backend" in capsys.readouterr().err
+    assert main(["plan", "--backend", "cpu", "--ops", "--batch", "0"]) == 2
+    assert "--batch must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

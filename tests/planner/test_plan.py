@@ -147,12 +147,17 @@ def test_runtime_format_bytes_are_what_the_converter_returns(fmt):
 
 def test_json_keys_and_text_tables(capsys):
     plan = plan_json(capsys, "--backend", "ascend910")
-    for key in ("weights_bytes_per_device", "kv_bytes_per_token", "kv_capacity_tokens",
-                "preconverted_checkpoint_bytes", "decode_step_seconds"):
+    for key in ("weights_bytes_per_device", "kv_bytes_per_token", "kv_fixed_bytes_per_sequence", "kv_capacity_tokens",
+                "kv_capacity_sequences", "engine_num_blocks", "preconverted_checkpoint_bytes", "decode_step_seconds"):
         assert key in plan
     assert set(plan["weights_bytes_per_device"]) == {"resident_weights", "routed_experts", "scales", "draft", "total"}
-    assert {"window_ring", "csa_entries", "hca_entries", "indexer_keys", "draft_rings"} <= set(plan["kv_bytes_per_token"])
-    assert plan["kv_bytes_per_token"]["csa_entries"] == 21 * 512 * 2 / 4      # 21 CSA layers, bf16 entry per 4 tokens
+    per, fixed = plan["kv_bytes_per_token_by_kind"], plan["kv_fixed_bytes_per_sequence_by_kind"]
+    assert set(per) == {"csa_entries", "hca_entries", "indexer_keys"}       # grow with the context
+    assert set(fixed) == {"window_ring", "compressor_buffers", "draft_rings"}  # one ring slot per sequence
+    assert per["csa_entries"] == 21 * 512 * 2 / 4          # 21 CSA layers, a bf16 entry per 4 positions
+    assert plan["kv_bytes_per_token"] == sum(per.values()) == 6880
+    assert plan["kv_fixed_bytes_per_sequence"] == sum(fixed.values())
+    assert plan["kv_capacity_tokens"] == plan["engine_num_blocks"] * 128     # the 910's 128-position blocks
     step = plan["decode_step_seconds"]
     assert 0 < step["dspark_per_token"] and 0 < step["plain"] and step["terms"]["plain"]["launches"] > 0
     # embedding, then per layer the wo_b all-reduce and the 910's all-to-all MoE exchange (lib/distributed/expert_exchange.py: three
@@ -161,7 +166,8 @@ def test_json_keys_and_text_tables(capsys):
     assert {v["basis"] for v in plan["device"].values()} <= {"datasheet", "field", "third-party", "estimate"}
     assert main(["plan", "--backend", "hip936", "--max-model-len", "4096"]) == 0
     text = capsys.readouterr().out
-    for line in ("weights per device", "KV cache per device", "KV capacity", "preconverted checkpoint", "DSpark"):
+    for line in ("weights per device", "KV cache per device", "per context position", "fixed per sequence",
+                 "KV capacity", "sequences of --max-model-len 4,096 held at once", "preconverted checkpoint", "DSpark"):
         assert line in text
 
 
@@ -201,6 +207,7 @@ def test_monotone_in_memory_fraction_mode_context_and_acceptance(capsys):
     (["--backend", "cpu"], "backend cpu has no `device:` section"),
     (["--backend", "all"], "dsv4gen plan needs one --backend (accepted: ascend310p, ascend910, hip936)"),
     (["--backend", "ascend310p", "--record"], "--record goes with --ops"),
+    (["--backend", "ascend310p", "--batch", "4"], "--batch goes with --ops"),
 ])
 def test_bad_arguments_are_refused_with_one_clear_message(capsys, args, message):
     assert main(["plan", *args]) == 2

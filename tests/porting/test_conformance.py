@@ -2,19 +2,25 @@
 
 The acceptance of the device backends: on the default tiny checkpoint each backend passes with
 zero guard violations, every sub-layer and weight-free op within its budget, top-1 agreement on
-the decisive teacher-forced steps, and deterministic replicas; and every injection is detected.
+the decisive teacher-forced steps, identical logits in another cache placement, identical batch
+replicas and a rewound verify that leaves no trace; and every injection is detected. Long-context
+conformance (`--context`) runs on the `tiny-long` preset: a short context here, 16384 positions
+in the slow tests (where C01 and C02, exact at short contexts, are caught).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lib.porting import conformance
-from lib.records.batch import make_batch
 from lib.cli.main import main
+from lib.porting import conformance, conformance_context
+from lib.porting.conformance_paged import new_store
 from lib.porting.faults import CATALOGUE
+from lib.records.batch import make_batch
+from lib.runtime.loaded_model import load_model
+from lib.runtime.paged_step import paged_step, prefill_logits
 from lib.weights.params import LoadOptions
-from lib.runtime.loaded_model import load_model, step
+from lib.weights.tiny_checkpoint import make_tiny
 from spec.schedule import backbone
 
 DEVICES = ("ascend310p", "ascend910", "hip936")
@@ -52,9 +58,10 @@ DETECTED_BY = {"B17": "draft logits finite", "B20": "engine (dspark) under guard
 
 
 # Bugs whose site needs TP >= 2 (B05) cannot show in one process: tests/launcher/test_parallel.py catches
-# them with the ranks in their own processes.
+# them with the ranks in their own processes. Long-context bugs (C01, C02) change nothing in a short run:
+# the --context tests below catch them.
 @pytest.mark.parametrize("backend, bug", [(b, bug) for bug, inj in CATALOGUE.items() for b in DEVICES
-                                          if b in inj.backends and inj.min_tp == 1])
+                                          if b in inj.backends and inj.min_tp == 1 and inj.min_context == 0])
 def test_every_injection_is_detected(tiny_ckpt, references, backend, bug):
     # a bug any check may catch ends the run at the first failing stage; one only a late check can see runs them all
     report = conformance.run(backend, tiny_ckpt, steps=INJECTION_STEPS, inject=bug, reference=references(INJECTION_STEPS),
@@ -95,21 +102,92 @@ def test_unknown_or_inapplicable_injection_is_refused(tiny_ckpt, capsys):
 
 def test_310p_expert_modes_give_identical_outputs(tiny_ckpt):
     ids = conformance.prompt_ids(24, 1024)
-    outs = {}
-    for mode in ("resident", "streaming"):
-        model = load_model(tiny_ckpt, "ascend310p", options=LoadOptions(expert_mode=mode))
-        outs[mode], _ = step(model, make_batch([ids]), [model.new_cache()])
+    outs = {mode: prefill_logits(load_model(tiny_ckpt, "ascend310p", options=LoadOptions(expert_mode=mode)), ids)
+            for mode in ("resident", "streaming")}
     assert torch.equal(outs["resident"], outs["streaming"])
 
 
 def test_310p_long_prompt_uses_the_compressed_path(tiny_ckpt):
-    """Prompts longer than the window: CSA and HCA layers hold and attend to compressed entries."""
+    """Prompts longer than the window: CSA and HCA layers hold compressed entries in their pools."""
     model = load_model(tiny_ckpt, "ascend310p")
     n = 3 * model.cfg.sliding_window
-    _, caches = step(model, make_batch([conformance.prompt_ids(n, 1024)]), [model.new_cache()])
-    for layer, cache in zip(backbone(model.cfg), caches[0].layers):
+    store, seqs = new_store(model, [n])
+    paged_step(model, make_batch([conformance.prompt_ids(n, 1024)]), store, seqs)
+    live = store.live_rows(seqs[0])
+    for layer in backbone(model.cfg):
+        owner = f"layer{layer.index}"
         if layer.attention != "swa":
-            assert cache.comp.entries.shape[0] == n // layer.ratio > 0
-            assert cache.comp.entries.dtype == torch.float16            # fp16 on 310P (L02)
+            entries = live[f"{owner}.comp.entries"]
+            assert entries.shape[0] == n // layer.ratio > 0 and entries.abs().sum(-1).gt(0).all()
+            assert entries.dtype == torch.float16            # fp16 on 310P (L02)
         if layer.attention == "csa":
-            assert cache.index.entries.shape[0] == n // layer.ratio
+            assert live[f"{owner}.index.entries"].shape[0] == n // layer.ratio
+        else:
+            assert f"{owner}.index.entries" not in live
+
+
+# ---- long context (`--context`) ---------------------------------------------------------------------
+SHORT_CONTEXT = 1536     # past C02's 1028 positions (CSA entries beyond the indexer's first block)
+LONG_CONTEXT = 16384
+LONG_BUGS = [bug for bug, inj in CATALOGUE.items() if inj.min_context > 0]
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory):
+    """The tiny-long preset: Flash's window 128 and compress ratios 4 / 128 at the tiny widths."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-long") / "ckpt", preset="tiny-long")
+
+
+@pytest.fixture(scope="module")
+def context_references(long_ckpt):
+    cache: dict[int, conformance_context.ContextReference] = {}
+
+    def get(context: int) -> conformance_context.ContextReference:
+        if context not in cache:
+            cache[context] = conformance_context.context_reference(long_ckpt, context, steps=4, chunk=512)
+        return cache[context]
+    return get
+
+
+def test_long_bugs_are_catalogued_past_the_short_run():
+    assert set(LONG_BUGS) >= {"C01", "C02"}
+    assert all(CATALOGUE[bug].min_context > 24 + 32 for bug in LONG_BUGS)      # the short run never shows them
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_short_context_conformance_passes(long_ckpt, context_references, backend):
+    report = conformance_context.run(backend, long_ckpt, SHORT_CONTEXT, reference=context_references(SHORT_CONTEXT))
+    assert report.passed, "\n" + report.table()
+    counts = {c.name.split(":")[0]: int(c.value) for c in report.checks if c.name.endswith("at the last step")}
+    assert counts == {"CSA": (SHORT_CONTEXT + 4) // 4, "HCA": (SHORT_CONTEXT + 4) // 128}
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_short_context_catches_the_per_block_top_k(long_ckpt, context_references, backend):
+    report = conformance_context.run(backend, long_ckpt, SHORT_CONTEXT, inject="C02",
+                                     reference=context_references(SHORT_CONTEXT), stop_on_failure=True)
+    failed = [c.name for c in report.checks if not c.passed]
+    assert any(n.startswith("indexer: selected entries the device missed") for n in failed), report.table()
+
+
+def test_cli_refuses_a_long_context_bug_without_the_context(tiny_ckpt, capsys):
+    assert main(["conformance", "--backend", "hip936", "--model", str(tiny_ckpt), "--inject", "C01"]) == 2
+    assert "C01 changes nothing before 8200 positions: add --context 8200" in capsys.readouterr().err
+    assert main(["conformance", "--backend", "hip936", "--model", str(tiny_ckpt), "--inject", "C02",
+                 "--context", "512"]) == 2
+    assert "add --context 1028" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", DEVICES)
+def test_long_context_conformance_passes(long_ckpt, context_references, backend):
+    report = conformance_context.run(backend, long_ckpt, LONG_CONTEXT, reference=context_references(LONG_CONTEXT))
+    assert report.passed, "\n" + report.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, bug", [(b, bug) for bug in LONG_BUGS for b in DEVICES if b in CATALOGUE[bug].backends])
+def test_long_context_catches_every_long_bug(long_ckpt, context_references, backend, bug):
+    report = conformance_context.run(backend, long_ckpt, LONG_CONTEXT, inject=bug,
+                                     reference=context_references(LONG_CONTEXT), stop_on_failure=True)
+    assert not report.passed, f"{bug} went unnoticed on {backend} at context {LONG_CONTEXT}:\n{report.table()}"

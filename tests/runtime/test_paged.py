@@ -1,10 +1,10 @@
-"""Paged decode state (lib/runtime/paged_cache.py): slot mapping, views == dense records, paged == dense decode,
-teacher forcing across block boundaries, rewind, chunking, batching, block accounting, B12-B14.
+"""Paged decode state (lib/runtime/paged_cache.py): slot mapping, the declared pools, paged decode ==
+long prefill across block boundaries, rewind, chunking, batching, block accounting, B12-B14.
 
 Everything goes through make_tiny -> load_model -> the generated forward, as users run it (B21).
 The tiny model's window is 16 and its ratios 4 / 8; cpu blocks are 16 tokens, 310P's are 32-token
 physical blocks addressed as 16 logical blocks of 2 (L19), so the prompts below cross every kind
-of boundary. The paged state is the dense state rebuilt bit for bit, so paged-vs-dense is exact.
+of boundary.
 """
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import re
 import pytest
 import torch
 
-from backends.common.paging import physical_slots
 from helpers import prompt_ids
+from lib.records.addressing import PagedSites, physical_slots
 from lib.records.batch import make_batch
-from lib.porting.faults import injection
-from lib.runtime.paged_cache import CacheFull, PagedCache, PagedSites
-from lib.runtime.paged_step import paged_step
-from lib.runtime.loaded_model import load_model, step
-from spec.profile import CacheGeometry, load_profile, profile_path
+from lib.runtime.loaded_model import load_model
+from lib.runtime.paged_cache import CacheFull, PagedCache
+from lib.runtime.paged_step import paged_step, prefill_logits
+from spec.profile import load_profile, profile_path
 from spec.yamlio import SpecError
 
 TOL = 1e-5          # the cpu reference's chunking tolerance (tests/backends/test_reference.py)
@@ -31,8 +30,8 @@ def models(tiny_ckpt):
     return {b: load_model(tiny_ckpt, b) for b in ("cpu", "ascend310p")}
 
 
-def _store(model, num_blocks: int = 64, max_seqs: int = 4, seqs=("s",), sites=PagedSites()) -> PagedCache:
-    store = PagedCache.for_model(model, num_blocks=num_blocks, max_seqs=max_seqs, sites=sites)
+def _store(model, num_blocks: int = 64, max_seqs: int = 4, seqs=("s",), sites=PagedSites(), slack: int = 6) -> PagedCache:
+    store = PagedCache(model, num_blocks, max_seqs=max_seqs, slack=slack, sites=sites)
     for s in seqs:
         store.add(s)
     return store
@@ -45,36 +44,22 @@ def _last(model, store, seq, ids: list[int]) -> torch.Tensor:
     return logits[-1]
 
 
-def _assert_records_equal(got, want):
-    assert got.length == want.length
-    for i, (g, w) in enumerate(zip(got.layers, want.layers)):
-        pairs = [("window", g.window, w.window)]
-        for part in ("comp", "index"):
-            gs, ws = getattr(g, part), getattr(w, part)
-            assert (gs is None) == (ws is None), (i, part)
-            if gs is not None:
-                pairs += [(f"{part}.{f}", getattr(gs, f), getattr(ws, f))
-                          for f in ("buf_kv", "buf_gate", "prev_kv", "prev_gate", "entries")]
-        for name, a, b in pairs:
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"layer {i} {name}"
-
-
 # ---- slot mapping -------------------------------------------------------------------------------
 def test_physical_slots_lay_logical_blocks_out_by_physical_block():
-    """310P (L19): a physical block b appears as logical ids 16b..16b+15, each of 2 positions."""
+    """310P (L19): a physical block b appears as logical ids 16b..16b+15, each of 2 positions;
+    tables are per batch sequence [S, n] and rows are looked up per (sequence, position)."""
     blocks = [3, 0]                                               # the sequence's 1st block is physical 3
-    table = torch.tensor([b * 16 + r for b in blocks for r in range(16)], dtype=torch.int32)
+    table = torch.tensor([[b * 16 + r for b in blocks for r in range(16)]], dtype=torch.int32)
     q = torch.arange(64, dtype=torch.int64)
-    slots = physical_slots(table, q, 32, 2)
+    slots = physical_slots(table, torch.zeros_like(q), q, 32, 2)
     assert slots.dtype == torch.int64
-    expected = [blocks[p // 32] * 32 + p % 32 for p in range(64)]
-    assert slots.tolist() == expected
-    # the formula itself, position by position
-    for p in (0, 1, 2, 31, 33, 62):
-        logical = int(table[p // 2])
+    assert slots.tolist() == [blocks[p // 32] * 32 + p % 32 for p in range(64)]
+    for p in (0, 1, 2, 31, 33, 62):                                # the formula itself, position by position
+        logical = int(table[0, p // 2])
         assert slots[p] == (logical // 16) * 32 + (logical % 16) * 2 + p % 2
-    identity = torch.tensor([0, 1, 2], dtype=torch.int32)            # 16/16: one entry per block
-    assert physical_slots(identity, torch.arange(48), 16, 16).tolist() == list(range(48))
+    two = torch.tensor([[0, 1, 2], [5, 4, -1]], dtype=torch.int32)  # 16/16: one entry per block; -1 padding
+    seq = torch.tensor([0, 1, 1, 1])
+    assert physical_slots(two, seq, torch.tensor([40, 0, 17, 40]), 16, 16).tolist() == [40, 80, 65, 8]   # padding: block 0
 
 
 def test_cache_geometry_is_a_profile_fact(tmp_path):
@@ -93,43 +78,35 @@ def test_cache_geometry_is_a_profile_fact(tmp_path):
         load_profile("cpu", bad)
 
 
-# ---- views ----------------------------------------------------------------------------------------
+# ---- the declared pools -------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["cpu", "ascend310p"])
-def test_views_equal_the_dense_records(models, backend):
-    """Empty: exactly model.new_cache(). After a paged prefill of 37 (crossing 16, 32 and the
-    ratio windows): exactly the records the dense step returned."""
+def test_pools_are_what_the_state_declaration_says(models, backend):
+    """Windows and compressor rings: one slot per sequence plus a trash slot, rows from
+    spec/state.yaml (W + slack; 2m or m + slack); entries and keys: block pools of each ratio,
+    cdiv(num_blocks, m) + max_seqs blocks. Nothing else is allocated."""
     model = models[backend]
-    store = _store(model)
-    empty, want = store.views(["s"])[0], model.new_cache()
-    _assert_records_equal(empty, want)
-    for g, w in zip(empty.layers, want.layers):
-        for part in ("comp", "index"):
-            if getattr(g, part) is not None:
-                assert torch.equal(getattr(g, part).rows_kv, getattr(w, part).rows_kv)
-    ids = prompt_ids(37, model.cfg.vocab_size)
-    paged_step(model, make_batch([ids]), store, ["s"])
-    _, dense = step(model, make_batch([ids]), [model.new_cache()])
-    _assert_records_equal(store.views(["s"])[0], dense[0])
-
-
-# ---- paged == dense ------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend, prompt_len, steps",
-                         [("cpu", 20, 40), ("ascend310p", 20, 40), ("cpu", 70, 4), ("ascend310p", 70, 4)])
-def test_paged_decode_is_bit_identical_to_dense(models, backend, prompt_len, steps):
-    model = models[backend]
-    store = _store(model)
-    ids = prompt_ids(prompt_len, model.cfg.vocab_size, seed=3)
-    batch = make_batch([ids], last_only=True)
-    (paged,) = paged_step(model, batch, store, ["s"])
-    dense, caches = step(model, batch, [model.new_cache()])
-    for pos in range(prompt_len, prompt_len + steps):
-        assert torch.equal(paged, dense), f"{backend}: logits differ after {pos} positions"
-        token = int(torch.argmax(dense[-1]))
-        batch = make_batch([[token]], [pos], last_only=True)
-        (paged,) = paged_step(model, batch, store, ["s"])
-        dense, caches = step(model, batch, caches)
-    assert torch.equal(paged, dense)
-    assert store.length("s") == prompt_len + steps
+    cfg, p = model.cfg, model.facts.block_tokens
+    store = _store(model, num_blocks=8, max_seqs=3, seqs=(), slack=6)
+    dtype = model.state_dtype
+    for layer, pools in zip(model.layers, store.layers):
+        assert pools.window.shape == (4, cfg.sliding_window + 6, cfg.head_dim) and pools.window.dtype == dtype
+        if layer.attention == "swa":
+            assert pools.comp is None and pools.index is None
+            continue
+        m = layer.ratio
+        span = 2 * m if layer.attention == "csa" else m
+        width = 2 * cfg.head_dim if layer.attention == "csa" else cfg.head_dim
+        assert pools.comp.kv.shape == pools.comp.gate.shape == (4, span + 6, width)
+        assert pools.comp.kv.dtype == torch.float32
+        assert pools.comp.entries.shape == ((-(-8 // m) + 3) * p, cfg.head_dim) and pools.comp.entries.dtype == dtype
+        if layer.attention == "csa":
+            assert pools.index.entries.shape == ((-(-8 // m) + 3) * p, cfg.index_head_dim)
+    per_token = sum((cfg.head_dim + (cfg.index_head_dim if l.attention == "csa" else 0)) / l.ratio
+                    for l in model.layers if l.ratio) * torch.empty(0, dtype=dtype).element_size()
+    assert store.bytes_per_token() == per_token
+    assert store.total_bytes() == sum(t.numel() * t.element_size() for pools in store.layers
+                                      for t in (pools.window, *(pools.comp or ())[:3], *(pools.index or ())[:3])
+                                      if isinstance(t, torch.Tensor))
 
 
 @pytest.mark.parametrize("backend, lengths", [("ascend310p", (1, 2, 3, 31, 32, 33, 63, 64, 65)),
@@ -172,6 +149,7 @@ def test_rewind_after_rejected_drafts(models):
         assert torch.equal(_last(model, spec, "s", tokens[i:i + 1]), logits[i + 1]), f"step {i}"
     with pytest.raises(ValueError, match="cannot commit length 40"):
         spec.set_length("s", 40)                                           # never written
+    assert torch.equal(prefill_logits(model, ids + tokens[:10])[-1], logits[10])
 
 
 def test_chunked_prefill_through_paged_step_is_invariant(models):
@@ -213,7 +191,8 @@ def test_interleaved_sequences_equal_their_solo_runs_and_free_returns_blocks(mod
     assert store.length("a") == 40 and store.length("b") == 24
     assert (torch.cat(got_a) - solo["a"]).abs().max().item() <= TOL
     assert (torch.cat(got_b) - solo["b"][:24]).abs().max().item() <= TOL
-    assert store.usage()["tokens"][0] == 3 + 2                     # 40 and 24 positions of 16-token blocks
+    assert store.usage()["c4"][0] == 1 + 1 and store.usage()["c8"][0] == 1 + 1   # 10 / 6 and 5 / 3 entries
+    assert store.usage()["slots"] == (2, 4)
     store.free("a")
     store.free("b")
     assert all(used == 0 for used, _ in store.usage().values())
@@ -221,91 +200,87 @@ def test_interleaved_sequences_equal_their_solo_runs_and_free_returns_blocks(mod
 
 def test_cache_full_names_the_shortfall_and_allocates_nothing(tiny_ckpt):
     model = load_model(tiny_ckpt, "cpu")
-    store = PagedCache(model, CacheGeometry(16, 16, "test"), 8, max_seqs=2)
-    assert store.usage() == {"tokens": (0, 8), "c4": (0, 4), "c8": (0, 3)}   # cdiv(8, m) + max_seqs
-    assert store.bytes_per_block()["tokens"] > store.bytes_per_block()["c8"] > 0
+    store = PagedCache(model, 8, max_seqs=2)
+    assert store.usage() == {"slots": (0, 2), "c4": (0, 4), "c8": (0, 3)}   # cdiv(8, m) + max_seqs
     store.add("a")
     store.add("b")
-    store.ensure("a", 128)                                        # every tokens block
+    store.ensure("a", 4 * 16 * 4)                                 # 256 positions: all 4 c4 blocks (64 entries)
     before = store.usage()
-    assert not store.can_fit([("b", 16)]) and store.can_fit([("b", 0)])
-    with pytest.raises(CacheFull, match=r"sequence 'b' needs 1 tokens blocks \(0 of 8 free\).*nothing was allocated"):
-        store.ensure("b", 16)
-    assert store.usage() == before                                # c4 / c8 were not touched either
+    assert before["c4"] == (4, 4) and before["c8"] == (2, 3)
+    assert not store.can_fit([("b", 4)]) and store.can_fit([("b", 3)])
+    with pytest.raises(CacheFull, match=r"sequence 'b' needs 1 c4 blocks \(0 of 4 free\).*nothing was allocated"):
+        store.ensure("b", 4)
+    assert store.usage() == before                                # c8 was not touched either
     with pytest.raises(CacheFull, match="maximum of 2"):
         store.add("c")
     store.free("a")
-    store.ensure("b", 16)
-    assert store.usage()["tokens"] == (1, 8)
+    store.ensure("b", 4)
+    assert store.usage() == {"slots": (1, 2), "c4": (1, 4), "c8": (0, 3)}
 
 
-def test_release_old_frees_blocks_and_decoding_still_matches(models):
-    """Blocks wholly below L - max(W, HCA m, 2 * CSA m) are freed; decoding is unchanged."""
+def test_memory_grows_with_compressed_entries_only(models):
+    """A long sequence holds a fixed slot (its windows and rings) plus blocks of entries: at 1,000
+    positions 250 / 16 c4 blocks and 125 / 16 c8 blocks, nothing per raw position."""
     model = models["cpu"]
-    store = _store(model)
-    ids = prompt_ids(20, model.cfg.vocab_size, seed=10)
-    assert store.horizon == 16                                    # W = 16, 2 * 4, 8
-    batch = make_batch([ids], last_only=True)
-    (paged,) = paged_step(model, batch, store, ["s"])
-    dense, caches = step(model, batch, [model.new_cache()])
-    freed = 0
-    for pos in range(20, 60):
-        assert torch.equal(paged, dense), f"after {pos} positions"
-        freed += store.release_old("s")
-        batch = make_batch([[int(torch.argmax(dense[-1]))]], [pos], last_only=True)
-        (paged,) = paged_step(model, batch, store, ["s"])
-        dense, caches = step(model, batch, caches)
-    assert torch.equal(paged, dense)
-    assert freed == 2 and store.usage()["tokens"][0] == 4 - 2      # positions < 32 released at L = 48
-    with pytest.raises(ValueError, match="released"):
-        store.set_length("s", 30)
-    with pytest.raises(RuntimeError, match="released block"):
-        store.read_rows("layer0.kv", "s", 20, 40)
+    store = _store(model, num_blocks=80, max_seqs=1)
+    ids = prompt_ids(1000, model.cfg.vocab_size, seed=10)
+    for lo in range(0, 1000, 250):
+        (logits,) = paged_step(model, make_batch([ids[lo:lo + 250]], [lo]), store, ["s"])
+    assert store.usage()["c4"][0] == -(-250 // 16) and store.usage()["c8"][0] == -(-125 // 16)
+    assert torch.equal(logits[-1], _last_of_prefill(model, ids))
 
 
-def test_extra_row_kinds_round_trip_on_the_hybrid_geometry(tiny_ckpt):
-    """The pool API a drafter's ring uses ("draft.0"): position-keyed rows in the tokens group."""
+def _last_of_prefill(model, ids):
+    return prefill_logits(model, ids, chunk=250)[-1]
+
+
+def test_drafter_rings_round_trip_on_the_hybrid_geometry(tiny_ckpt):
+    """The drafter's rings: per-sequence slots of W rows written for committed positions; a ring
+    keeps the last W positions whatever was written before."""
     model = load_model(tiny_ckpt, "ascend310p")
-    store = _store(model, num_blocks=4, seqs=("a", "b"))
-    pool = store.add_rows("draft.0", 8, torch.float16, horizon=40)
-    assert pool.shape == (4 * 32, 8) and store.rows("draft.0") is pool and store.horizon == 40
-    store.ensure("b", 10)                                          # b takes physical block 0, a block 1
+    store = PagedCache(model, 4, max_seqs=2, rings=True)
+    w, d = model.cfg.sliding_window, model.cfg.head_dim
+    assert len(store.rings) == len(model.stages) and store.rings[0].window.shape == (3, w, d)
+    store.add("b")
+    store.add("a")
+    values = [torch.arange(40 * d, dtype=torch.float16).reshape(40, d) + s for s in range(len(model.stages))]
+    store.write_ring("a", 0, [v[:30] for v in values])
+    store.write_ring("a", 30, [v[30:] for v in values])
     store.ensure("a", 40)
-    values = torch.arange(40 * 8, dtype=torch.float16).reshape(40, 8)
-    store.write_rows("draft.0", "a", 0, values)
-    assert torch.equal(store.read_rows("draft.0", "a", 5, 37), values[5:37])
-    assert torch.equal(pool[32:64], values[:32])                   # a's first block is physical 1
-    with pytest.raises(IndexError, match="beyond the 64 positions"):
-        store.read_rows("draft.0", "a", 60, 70)
-    with pytest.raises(KeyError, match="no cache rows 'draft.9'"):
-        store.rows("draft.9")
+    store.address(make_batch([[1] * 40]), ["a"])                   # marks 40 positions written
+    store.set_length("a", 40)
+    rows = store.live_rows("a")
+    for s, v in enumerate(values):
+        assert torch.equal(rows[f"stage{s}.window"], v[40 - w:])
+    assert store.rings[0].window[0].abs().sum() == 0               # b's slot (0) untouched
+    with pytest.raises(KeyError, match="not in the cache"):
+        store.write_ring("c", 0, values)
 
 
 # ---- injected field bugs ----------------------------------------------------------------------------
-def _paged_matches_dense(model, ids: list[int], steps: int, sites=PagedSites()) -> bool:
+def _teacher_forced(model, ids: list[int], steps: int, sites=PagedSites()) -> list[torch.Tensor]:
     """A pool sized to the run, so a stray slot falls outside it instead of landing unnoticed."""
     total = len(ids) + steps
     store = _store(model, num_blocks=-(-total // model.facts.block_tokens), max_seqs=1, sites=sites)
-    batch = make_batch([ids], last_only=True)
-    (paged,) = paged_step(model, batch, store, ["s"])
-    dense, caches = step(model, batch, [model.new_cache()])
-    same = torch.equal(paged, dense)
+    out = [_last(model, store, "s", ids)]
     for pos in range(len(ids), total):
-        batch = make_batch([[int(torch.argmax(dense[-1]))]], [pos], last_only=True)
-        (paged,) = paged_step(model, batch, store, ["s"])
-        dense, caches = step(model, batch, caches)
-        same &= torch.equal(paged, dense)
-    return same
+        out.append(_last(model, store, "s", [int(ids[pos % len(ids)])]))
+    return out
 
 
 @pytest.mark.parametrize("bug", ["B12", "B13", "B14"])
 def test_injected_paging_bugs_are_caught(models, bug):
+    """Each bug's run against the correct run of the same backend: logits differ, or a slot falls
+    outside its pool."""
+    from lib.porting.faults import injection
+
     model = models["ascend310p"]
-    ids = prompt_ids(30, model.cfg.vocab_size, seed=11)
-    assert _paged_matches_dense(model, ids, 4)
+    ids = prompt_ids(70, model.cfg.vocab_size, seed=11)
+    right = _teacher_forced(model, ids, 4)
     with injection(bug, "ascend310p") as fault:
         try:
-            caught = not _paged_matches_dense(model, ids, 4, fault.paged)
+            wrong = _teacher_forced(model, ids, 4, fault.paged)
+            caught = not all(torch.equal(a, b) for a, b in zip(right, wrong))
         except (IndexError, RuntimeError):                        # a slot outside its pool or table
             caught = True
     assert caught, f"{bug} went unnoticed"

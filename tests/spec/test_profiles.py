@@ -63,17 +63,17 @@ def bf16_add(a, b):
 
 def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path):
     """The 310P generated code runs clean under its guard; a composite that slips into bf16 is named."""
-    from lib.records.batch import make_batch
-    from lib.runtime.loaded_model import load_model, step
+    from lib.runtime.loaded_model import load_model
+    from lib.runtime.paged_step import prefill_logits
     from lib.weights.tiny_checkpoint import make_tiny
 
     tiny = make_tiny(tmp_path / "ckpt")
     model = load_model(tiny, "ascend310p")
     rules = rules_from_profile(load_profile("ascend310p"))
     with CapabilityGuard(rules):
-        step(model, make_batch([[20, 21, 22]]), [model.new_cache()])
+        prefill_logits(model, [20, 21, 22])
     with rendered("ascend310p", Rewrite(calls={"add": "tests.spec.test_profiles:bf16_add"}), "test") as code:
         slipped = load_model(tiny, "ascend310p", code=code)
         with pytest.raises(GuardViolation, match=r"bfloat16.*test_profiles.py:\d+"):
             with CapabilityGuard(rules):
-                step(slipped, make_batch([[20, 21, 22]]), [slipped.new_cache()])
+                prefill_logits(slipped, [20, 21, 22])

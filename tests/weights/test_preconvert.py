@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lib.weights import expert_conversion as preconvert
-from lib.records.batch import make_batch
 from lib.cli.main import main
 from lib.weights.params import LoadOptions
-from lib.runtime.loaded_model import load_model, step
+from lib.runtime.loaded_model import load_model
+from lib.runtime.paged_step import prefill_logits
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory, tiny_ckpt):
 
 def _logits(path, **options):
     model = load_model(path, "ascend310p", options=LoadOptions(**options))
-    return step(model, make_batch([list(range(20, 60))]), [model.new_cache()])[0]
+    return prefill_logits(model, list(range(20, 60)))
 
 
 def test_three_expert_modes_are_identical(ckpt):

@@ -16,7 +16,8 @@ from backends.cpu.ops import indexer
 from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
 
-# HCA entries attended per block: a [T, block, D] gather per step whatever the context length.
+# HCA entries attended per block (a running softmax across blocks): a [T, block, D] gather and
+# [T, H, block] logits per step whatever the context length.
 HCA_BLOCK = 256
 
 
@@ -41,6 +42,15 @@ def window_keys(kv: torch.Tensor, batch: Batch, pool: torch.Tensor, window: int)
     return keys, pos >= 0
 
 
+def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tensor:
+    """Entries ids [n] for every query: [n, D] shared when the batch is one sequence (a shape fact),
+    else [T, n, D] through each query's block table."""
+    t, n = addr.row_seq.shape[0], ids.shape[0]
+    if addr.seq_slot.shape[0] == 1:
+        return entries[addr.entry_rows(ratio, torch.zeros_like(ids), ids)]
+    return entries[addr.entry_rows(ratio, addr.row_seq[:, None].expand(t, n).reshape(-1), ids.repeat(t))].view(t, n, -1)
+
+
 def store_window(kv: torch.Tensor, batch: Batch, pool: torch.Tensor) -> torch.Tensor:
     """This step's KV rows into the sequences' window rings (after every read of them)."""
     rows = batch.state.ring_writes(batch.positions, pool.shape[1])
@@ -55,28 +65,37 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: t
 
     q [T, H, D] and kv [T, D] with RoPE applied; windows: the window ring pool; entries: the
     compressor's entry pool (None for sliding layers); selection [T, k] from `index_select`
-    (CSA) or None (HCA: every complete entry)."""
+    (CSA) or None (HCA: every complete entry, a block at a time with a running softmax, so a
+    prefill chunk holds [T, H, block] logits whatever the context length)."""
     addr, d = batch.state, q.shape[-1]
-    seq, limit = addr.row_seq, (batch.positions + 1) // ratio if ratio else None
+    seq = addr.row_seq
     keys, mask = window_keys(kv, batch, windows, window)
-    parts = [(keys.double(), mask)]
+    keys = keys.double()
     if entries is not None and selection is not None:                   # CSA: the selected rows only
+        limit = (batch.positions + 1) // ratio
         rows = addr.entry_rows(ratio, seq[:, None].expand_as(selection).reshape(-1), selection.reshape(-1))
-        picked = entries[rows].view(*selection.shape, -1).double()                     # [T, k, D]
-        parts.append((picked, (selection >= 0) & (selection < limit[:, None])))
-    elif entries is not None:                                           # HCA: every complete entry
+        keys = torch.cat((keys, entries[rows].view(*selection.shape, -1).double()), dim=1)   # [T, W + k, D]
+        mask = torch.cat((mask, (selection >= 0) & (selection < limit[:, None])), dim=1)
+    qd, scale = q.double(), d ** -0.5
+    logits = torch.where(mask[:, None, :], torch.einsum("thd,tkd->thk", qd, keys) * scale, float("-inf"))
+    sink = sink.double()[None, :, None]                                          # [1, H, 1]
+    top = torch.maximum(logits.amax(-1, keepdim=True), sink)                    # [T, H, 1]
+    e = torch.exp(logits - top)
+    total, acc = e.sum(-1, keepdim=True), torch.einsum("thk,tkd->thd", e, keys)
+    if entries is not None and selection is None:                       # HCA: every complete entry
+        limit = (batch.positions + 1) // ratio
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
             ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64)
-            rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(seq.shape[0]))
-            parts.append((entries[rows].view(seq.shape[0], ids.shape[0], -1).double(), ids[None, :] < limit[:, None]))
-    qd = q.double()
-    logits = torch.cat([torch.where(m[:, None, :], torch.einsum("thd,tkd->thk", qd, k) / d ** 0.5, float("-inf"))
-                        for k, m in parts], dim=-1)
-    p = _softmax_with_sink(logits, sink.double())
-    o, at = torch.zeros_like(qd), 0
-    for k, _ in parts:
-        o = o + torch.einsum("thk,tkd->thd", p[..., at:at + k.shape[1]], k)
-        at += k.shape[1]
+            block = _entries(addr, entries, ratio, ids).double()                        # [n, D] or [T, n, D]
+            spec = ("thd,kd->thk", "thk,kd->thd") if block.dim() == 2 else ("thd,tkd->thk", "thk,tkd->thd")
+            lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],
+                             torch.einsum(spec[0], qd, block) * scale, float("-inf"))
+            new_top = torch.maximum(top, lg.amax(-1, keepdim=True))
+            shrink, e = torch.exp(top - new_top), torch.exp(lg - new_top)
+            total = total * shrink + e.sum(-1, keepdim=True)
+            acc = acc * shrink + torch.einsum(spec[1], e, block)
+            top = new_top
+    o = acc / (total + torch.exp(sink - top))
     return o.float(), store_window(kv, batch, windows)
 
 

@@ -1,7 +1,7 @@
 """Reference lightning-indexer selection (DSV4-REFERENCE §3.8) over keys in block pools.
 
 score(t, w) = sum_j weight_scale * weights[t, j] * ReLU(q[t, j] . keys[w]) in fp64, visible iff
-w < (t + 1) / ratio. The keys are read from the pool block by block of entries (`INDEX_BLOCK`
+w < (t + 1) / ratio. The keys are read from the pool block by block of entries (`block_size`
 ids of every batch sequence at once, through its block table) and the top-k is kept as a running
 selection, so memory does not grow with the context: [T, k + block] scores at any length. The
 selection is a set in ascending entry id; at a tie on the k-th score the lower ids are taken
@@ -14,15 +14,34 @@ import torch
 
 from lib.records.batch import Batch
 
-# Entries scored per block: a [T, Hi, block] tile of products per step, and the running top-k's
-# sort over k + block candidates.
-INDEX_BLOCK = 256
+# Entries scored per block: the [T, block, Di] keys and [T, Hi, block] products of a block stay
+# within INDEX_TILE_BYTES (a prefill chunk takes fewer entries per block than a decode batch), and
+# the running top-k sorts k + block candidates per query.
+INDEX_TILE_BYTES = 1 << 25
+INDEX_MIN_BLOCK, INDEX_MAX_BLOCK = 16, 1024
+
+
+def block_size(queries: int, heads: int, dim: int, itemsize: int = 8) -> int:
+    per_entry = queries * (heads + dim) * itemsize
+    return max(INDEX_MIN_BLOCK, min(INDEX_MAX_BLOCK, INDEX_TILE_BYTES // max(1, per_entry)))
 
 
 def block_scores(q: torch.Tensor, ws: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """fp64 scores [T, B] of queries q [T, Hi, Di] against their own keys [T, B, Di]; ws [T, Hi]."""
-    relu = torch.einsum("thd,tbd->thb", q.double(), keys.double()).relu_()             # [T, Hi, B]
+    """fp64 scores [T, B] of queries q [T, Hi, Di] against their own keys [T, B, Di], or keys [B, Di]
+    all of them share (a batch of one sequence: one GEMM instead of T small ones); ws [T, Hi]."""
+    spec = "thd,bd->thb" if keys.dim() == 2 else "thd,tbd->thb"
+    relu = torch.einsum(spec, q.double(), keys.double()).relu_()                       # [T, Hi, B]
     return torch.bmm(ws.double().unsqueeze(1), relu).squeeze(1)                        # [T, B]
+
+
+def _keys(addr, keys: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tensor:
+    """Keys of entries ids [B] for every query: [B, Di] when the batch is one sequence (its queries
+    share them; a shape fact, no sync), else [T, B, Di] through each query's block table."""
+    t, n = addr.row_seq.shape[0], ids.shape[0]
+    if addr.seq_slot.shape[0] == 1:
+        return keys[addr.entry_rows(ratio, torch.zeros_like(ids), ids)]
+    rows = addr.entry_rows(ratio, addr.row_seq[:, None].expand(t, n).reshape(-1), ids.repeat(t)).view(t, n)
+    return keys[rows]
 
 
 def merge_top(best_scores: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor,
@@ -42,8 +61,7 @@ def all_scores(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch
     addr, t = batch.state, q.shape[0]
     n = addr.max_entries[ratio]
     ids = torch.arange(n, dtype=torch.int64)
-    rows = addr.entry_rows(ratio, addr.row_seq[:, None].expand(t, n).reshape(-1), ids.repeat(t)).view(t, n)
-    scores = block_scores(q, weights.double() * weight_scale, keys[rows])
+    scores = block_scores(q, weights.double() * weight_scale, _keys(addr, keys, ratio, ids))
     return scores.masked_fill_(ids[None, :] >= ((batch.positions + 1) // ratio)[:, None], float("-inf"))
 
 
@@ -54,16 +72,17 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     q [T, Hi, Di] (RoPE applied), weights [T, Hi] (all heads), keys the indexer's entry pool."""
     addr = batch.state
     t = q.shape[0]
-    seq, limit = addr.row_seq, (batch.positions + 1) // ratio                            # [T]: visible ids < limit
+    limit = (batch.positions + 1) // ratio                                               # [T]: visible ids < limit
     ws = weights.double() * weight_scale
     # the running selection starts as k empty slots: ids -k..-1 (below every real id), -inf
     best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
     best = torch.full((t, topk), float("-inf"), dtype=torch.float64)
-    for lo in range(0, addr.max_entries[ratio], INDEX_BLOCK):
-        n = min(INDEX_BLOCK, addr.max_entries[ratio] - lo)
+    step = block_size(t, q.shape[1], q.shape[2])
+    for lo in range(0, addr.max_entries[ratio], step):
+        n = min(step, addr.max_entries[ratio] - lo)
         ids = torch.arange(lo, lo + n, dtype=torch.int64)
-        rows = addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.repeat(t)).view(t, n)
-        scores = block_scores(q, ws, keys[rows]).masked_fill_(ids[None, :] >= limit[:, None], float("-inf"))
+        scores = block_scores(q, ws, _keys(addr, keys, ratio, ids)).masked_fill_(ids[None, :] >= limit[:, None],
+                                                                                 float("-inf"))
         best, best_ids = merge_top(best, best_ids, scores, ids.expand(t, n), topk)
     # the selected entries first, in ascending id, then the padding: one layout whatever else the
     # running selection held (which unselectable entries filled its empty slots)

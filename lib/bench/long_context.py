@@ -1,0 +1,169 @@
+"""Long context on the paged state: speed, resident state and where a step's time goes (a benchmark).
+
+    python -m lib.bench.long_context [--backends cpu,ascend910] [--contexts 4096,16384,65536,262144]
+                                     [--chunk 512] [--decode-steps 6] [--out long-context]
+
+For each backend and context N, in one process: the `scaling` checkpoint of `dsv4gen bench`
+(lib/bench/workload.py: the tiny widths with Flash's window 128 and ratios 4 / 128, index top-k
+64) prefills N random tokens in chunks through the paged step, then decodes. A timing rendering of
+the generated code (codegen.lower.Rewrite.time_ops) adds up the time of the attention-layer ops per
+layer kind, so every step splits into the parts that must grow with the context (the lightning
+indexer scoring every L / 4 key, HCA attending to every L / 128 entry) and the rest, which must
+not. Resident state per context token is what the pools hold for the sequence: its slot in every
+ring pool and its blocks of entries and keys. Each context runs in a process of its own, so its
+peak resident memory (ru_maxrss) is that context's; the summary sets its growth from the smallest
+to the largest context against the state bytes the pools added.
+Writes long-context.json and long-context.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GROWING = ("attention_csa.index_select", "attention_hca.sparse_attention")   # cost grows with the context
+TIMED_OPS = ("index_select", "sparse_attention", "compress")
+
+
+def run_context(model, n: int, chunk: int, decode_steps: int, seed: int = 5) -> dict:
+    """Prefill n tokens, then decode; seconds, parts and the state bytes the sequence holds."""
+    import torch
+
+    from lib.records.batch import make_batch
+    from lib.runtime.paged_cache import PagedCache
+    from lib.runtime.paged_step import paged_step
+
+    times = model.module.TIMES
+    vocab = model.cfg.vocab_size
+    ids = torch.randint(16, vocab, (n + decode_steps,), generator=torch.Generator().manual_seed(seed)).tolist()
+    store = PagedCache.for_lengths(model, [n + decode_steps])
+    store.add(0)
+    times.clear()
+    t0 = time.perf_counter()
+    for lo in range(0, n, chunk):
+        paged_step(model, make_batch([ids[lo:min(n, lo + chunk)]], [lo], last_only=True), store, [0])
+    prefill_s = time.perf_counter() - t0
+    prefill_parts = dict(times)
+    steps = []
+    for pos in range(n, n + decode_steps):
+        times.clear()
+        t0 = time.perf_counter()
+        paged_step(model, make_batch([[ids[pos]]], [pos], last_only=True), store, [0])
+        steps.append((time.perf_counter() - t0, dict(times)))
+    steps = steps[1:] if len(steps) > 2 else steps              # the first decode step pays for warm-up
+    step_s = [s for s, _ in steps]
+    growing = [sum(p.get(k, 0.0) for k in GROWING) for _, p in steps]
+    held = store.bytes_per_sequence() + store.bytes_per_token() * n
+    return {"context": n, "prefill_s": prefill_s, "prefill_tokens_per_s": n / prefill_s,
+            "prefill_parts_s": prefill_parts, "decode_step_s": statistics.median(step_s),
+            "decode_tokens_per_s": 1 / statistics.median(step_s),
+            "decode_growing_s": statistics.median(growing),
+            "decode_rest_s": statistics.median(s - g for s, g in zip(step_s, growing)),
+            "decode_parts_s": {k: statistics.median(p.get(k, 0.0) for _, p in steps) for k in steps[0][1]},
+            "state_bytes": held, "state_bytes_per_token": held / n,
+            "kv_bytes_per_token": store.bytes_per_token(), "kv_fixed_bytes_per_sequence": store.bytes_per_sequence()}
+
+
+def one_context(backend: str, n: int, chunk: int, decode_steps: int) -> dict:
+    """`run_context` in this process (a fresh one: its peak resident memory is this context's)."""
+    from codegen.lower import Rewrite
+    from lib.bench.workload import checkpoint
+    from lib.porting.rendering import rendered
+    from lib.runtime.loaded_model import load_model
+
+    with rendered(backend, Rewrite(time_ops=TIMED_OPS), f"long-context-{backend}") as code:
+        model = load_model(checkpoint("scaling", progress=False), backend, code=code)
+        run_context(model, min(n, 2 * chunk), chunk, 2)                          # warm-up
+        row = run_context(model, n, chunk, decode_steps)
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024    # Linux: KiB
+    return row
+
+
+def _child(backend: str, n: int, args) -> dict:
+    out = subprocess.run([sys.executable, "-m", "lib.bench.long_context", "--one", str(n), "--backends", backend,
+                          "--chunk", str(args.chunk), "--decode-steps", str(args.decode_steps),
+                          "--threads", str(args.threads)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lib.bench.long_context", description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="cpu,ascend910")
+    parser.add_argument("--contexts", default="4096,16384,65536,262144")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
+    parser.add_argument("--decode-steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("long-context"))
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)    # a child: one context
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from lib.bench.workload import checkpoint
+    from lib.runtime.hostmem import keep_freed_memory
+
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    backends, contexts = args.backends.split(","), sorted(int(c) for c in args.contexts.split(","))
+    if args.one is not None:
+        print(json.dumps(one_context(backends[0], args.one, args.chunk, args.decode_steps)))
+        return 0
+    checkpoint("scaling")                                   # made here once, with its progress shown
+    result = {"chunk": args.chunk, "threads": args.threads, "checkpoint": "scaling", "backends": {}}
+    for backend in backends:
+        rows = []
+        for n in contexts:
+            row = _child(backend, n, args)
+            rows.append(row)
+            print(f"{backend:>10} {n:>7}: prefill {row['prefill_tokens_per_s']:7.1f} tok/s; decode "
+                  f"{row['decode_tokens_per_s']:6.2f} tok/s (indexer + HCA {row['decode_growing_s'] * 1e3:7.1f} ms, "
+                  f"rest {row['decode_rest_s'] * 1e3:6.1f} ms); state {row['state_bytes_per_token']:6.1f} B/token; "
+                  f"peak RSS {row['peak_rss_bytes'] / 2**20:7.1f} MiB", flush=True)
+        first, last = rows[0], rows[-1]
+        added = last["state_bytes"] - first["state_bytes"]
+        summary = {"rest_ratio": last["decode_rest_s"] / first["decode_rest_s"],
+                   "growing_ratio": last["decode_growing_s"] / max(first["decode_growing_s"], 1e-9),
+                   "state_bytes_added": added,
+                   "peak_rss_added": last["peak_rss_bytes"] - first["peak_rss_bytes"],
+                   "peak_rss_added_over_state_added": (last["peak_rss_bytes"] - first["peak_rss_bytes"]) / added}
+        print(f"{backend:>10}: from {first['context']} to {last['context']} tokens the decode step's rest costs "
+              f"{summary['rest_ratio']:.2f}x (indexer + HCA {summary['growing_ratio']:.1f}x); peak RSS grew "
+              f"{summary['peak_rss_added'] / 2**20:.1f} MiB = {summary['peak_rss_added_over_state_added']:.2f}x "
+              f"the {added / 2**20:.1f} MiB of state the pools added", flush=True)
+        result["backends"][backend] = {"rows": rows, "summary": summary}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "long-context.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(args.out / "long-context.png", result)
+    print(f"wrote {args.out / 'long-context.json'} and {args.out / 'long-context.png'}")
+    return 0
+
+
+def _plot(path: Path, result: dict) -> None:
+    """Left: decode step time split into the growing parts and the rest, per backend. Right: prefill
+    tokens/s. Both against context on log axes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for backend, data in result["backends"].items():
+        n = [r["context"] for r in data["rows"]]
+        left.loglog(n, [r["decode_rest_s"] * 1e3 for r in data["rows"]], "o-", label=f"{backend}: rest")
+        left.loglog(n, [r["decode_growing_s"] * 1e3 for r in data["rows"]], "s--", label=f"{backend}: indexer + HCA")
+        right.semilogx(n, [r["prefill_tokens_per_s"] for r in data["rows"]], "o-", label=backend)
+    left.set(xlabel="context tokens", ylabel="ms per decode step", title="decode step: what grows with context")
+    right.set(xlabel="context tokens", ylabel="prefill tokens/s", title=f"chunked prefill ({result['chunk']}-token chunks)")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
