@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context limit, prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: max-num-seqs full contexts)")
+    p.add_argument("--num-blocks", type=int, help="KV cache context blocks of block_tokens positions; each compress ratio m gets cdiv(N, m) + max-num-seqs blocks of entries (default: max-num-seqs full contexts)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond max-num-seqs before new ones get 503 + Retry-After")
     p.add_argument("--speculative", choices=["dspark", "none"], help="default: dspark where the checkpoint has it")

@@ -67,10 +67,21 @@ def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
     return _int_matmul(aq, as_, w2.qweight[e], w2.scale[e])
 
 
-# Up to this many (token, expert) pairs, run each pair on its own requantised expert (decode);
-# above it, requantise the rank's experts once, run every expert over all tokens and keep its
-# rows where routed (prefill): both have fixed shapes, so neither needs a host sync.
-PAIRWISE_MAX = 64
+def _pair_matmul(xq, xs, w) -> torch.Tensor:
+    """Token i's int8 row through its own int8 weight w.qweight[i] [N, K], for every token at once:
+    one `_int_mm` against all the tokens' weights side by side ([K, T*N]), keeping each token's own
+    block (T x the products of T separate calls, but one launch whatever T is)."""
+    t, n, k = w.qweight.shape
+    acc = device._int_mm(device.pad_rows_to(xq), w.qweight.reshape(t * n, k).t().contiguous())[:t]   # [T, T*N]
+    own = torch.diagonal(acc.view(t, t, n), dim1=0, dim2=1).t()                                       # [T, N]
+    return own.float() * xs[:, None] * w.scale
+
+
+# Up to this many tokens (decode batches), run each (token, expert slot) pair on its own
+# requantised expert, all tokens of a slot in one product; above it, requantise the rank's experts
+# once, run every expert over all tokens and keep its rows where routed (prefill). Both have fixed
+# shapes and a launch count that does not depend on the batch, so neither needs a host sync.
+PAIRWISE_MAX_TOKENS = 16
 
 
 def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
@@ -93,11 +104,12 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
     for rank in placement.ranks:
         local = local_ids(ids, placement.local_of[rank])
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
-        if t * k <= PAIRWISE_MAX:
+        if t <= PAIRWISE_MAX_TOKENS:
             for j in range(k):
                 g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j]), quantize) for w in mats)
-                for i in range(t):
-                    rows[i, j] = rows[i, j] + _expert(xq[i:i + 1], xs[i:i + 1], g1, g3, g2, i, limit)[0]
+                act = moe.clipped_swiglu(_pair_matmul(xq, xs, g1), _pair_matmul(xq, xs, g3), limit)
+                aq, as_ = _quant_tokens(act)
+                rows[:, j] = rows[:, j] + _pair_matmul(aq, as_, g2)
             continue
         g1, g3, g2 = (packed_fp4_to_w8a8(w, quantize) for w in mats)
         for e in range(placement.n_local):

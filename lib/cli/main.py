@@ -24,7 +24,7 @@ def _cmd_make_tiny(args) -> int:
 
     with Stages("make-tiny")(f"writing a random checkpoint to {args.out} ({args.shards} shards)"):
         out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
-                        overwrite=args.force, progress=True)
+                        overwrite=args.force, progress=True, preset=args.preset)
     print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
     return 0
 
@@ -193,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("make-tiny", help="write a small random checkpoint in the official format")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--preset", default="tiny", help="tiny (default) or tiny-long (window 128, compress ratios 4 / 128)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
     s.add_argument("--shards", type=int, default=4)
     s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")

@@ -69,6 +69,8 @@ def _ops(args) -> int:
 
     if args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
+    if args.record and args.batch != 1:      # the speed planner's step is one sequence's
+        raise ValueError("--record keeps counts of batch 1; drop --batch")
     backends = backend_names() if args.backend == "all" else [args.backend]
     model = Path(args.model) if args.model else None
     if model is None:           # made once (minutes), then reused: said either way

@@ -6,6 +6,7 @@ Must not know the model, tensor names or which backend calls it; holds no mutabl
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -85,17 +86,19 @@ def check_float(c: Chip, op: str, allowed: frozenset, *tensors) -> None:
 
 
 # ---- dispatch to the real stack ---------------------------------------------------------------------
-def real_npu_op(name: str):
-    """torch_npu.<name> when torch_npu imports and an NPU is present, else None. Imported here, lazily:
-    without CANN `import torch_npu` fails (research/torch_npu.md, B.1), so never at module import."""
+@functools.lru_cache(maxsize=1)                       # looked up once per process, not per shim call
+def _real_stack():
     try:
-        mod = sys.modules.get("torch_npu")
-        if mod is None and importlib.util.find_spec("torch_npu") is None:
+        if "torch_npu" not in sys.modules and not importlib.util.find_spec("torch_npu"):
             return None
-        mod = mod or importlib.import_module("torch_npu")
-        return getattr(mod, name, None) if torch.npu.is_available() else None
+        return mod if (mod := importlib.import_module("torch_npu")) and torch.npu.is_available() else None
     except Exception:  # noqa: BLE001 - missing CANN libraries, no torch.npu: no real stack
         return None
+
+
+def real_npu_op(name: str):
+    """torch_npu.<name> with an NPU present, else None (imported lazily: without CANN it fails, torch_npu.md B.1)."""
+    return getattr(_real_stack(), name, None)
 
 
 def forward(real, shim_locals: dict):

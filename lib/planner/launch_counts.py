@@ -153,13 +153,14 @@ def load_counted(backend: str, path: Path | None = None) -> Counted:
 
 
 def decode_launches(backend: str, path: Path | None = None, batch: int = 1) -> LaunchReport:
+    """Load, then count (what `dsv4gen plan --ops` does per backend)."""
     return count_launches(load_counted(backend, path), batch)
 
 
 def count_launches(counted: Counted, batch: int = 1, with_round: bool = True) -> LaunchReport:
     """Counts of one decode step and (`with_round`, where the model drafts) one DSpark round of
-    `batch` sequences stepping together. The ops are batch-wide, so the counts must not depend on
-    `batch` (tests/planner/test_launches.py)."""
+    `batch` sequences stepping together. With batch-wide ops the counts do not depend on `batch`;
+    tests/planner/test_launches.py checks it for every backend (hip936's routed experts still loop)."""
     from lib.engine.drafting import block_size, context_rows, propose
 
     if batch < 1:

@@ -7,15 +7,17 @@ the device backend is loaded and checked under the capability guard: each record
 is re-run teacher-forced (same inputs) within the profile's budget, and the whole model is
 teacher-forced over the reference tokens through the paged cache with the device's block geometry
 (top-1 must agree wherever the reference margin exceeds the logit budget). What only paged state
-can get wrong is checked on that path (lib/porting/conformance_paged.py): the same run in another
-placement must give the same logits bit for bit (B12-B14 read other rows there), four copies in
-one batch must agree, and a rewound verify must leave every live row as it was. Then the serving
+can get wrong is checked on that path (lib/porting/conformance_paged.py): its live rows at the end
+against the reference's, the same run in another placement (the same logits bit for bit; B12-B14
+read other rows there), four copies in one batch, and a rewound verify that must leave every live
+row as it was. Then the serving
 side (lib/porting/conformance_engine.py): the engine under the guard, and the DSpark draft block
 against the reference's (B17, B20). Long-context conformance (`--context`) is
 lib/porting/conformance_context.py.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -27,7 +29,7 @@ from lib.porting.conformance_engine import (DraftReference, draft_checks, drafte
                                             has_dspark_drafter, reference_draft)
 from lib.porting.conformance_ops import op_checks, run_ops, weight_free_ops
 from lib.porting.conformance_paged import (batch_checks, copy_pools, new_store, paged_run, placement_check,
-                                           recording_step)
+                                           recording_step, state_check)
 from lib.porting.rendering import rendered
 from lib.records.batch import make_batch
 from lib.runtime.loaded_model import Model, load_model
@@ -100,24 +102,27 @@ OUTLIER_FACTOR, OUTLIER_SHARE = 4.0, 0.05
 
 def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None = None) -> list[Check]:
     """`flipped`: for each "attention csa" result in order, [T] tokens whose device selection differs
-    from the reference's (a near-tie at the top-k boundary, judged by the selection check); they
-    count in the median but not as outliers. A long context's thousands of candidates put such
-    ties in far more queries than a short run has (lib/porting/conformance_context.py)."""
+    from the reference's (a near-tie at the top-k boundary, judged by the selection check instead);
+    the other tokens are judged here. A long context's thousands of candidates put such ties in a
+    quarter to half of the queries (lib/porting/conformance_context.py); a short run has few."""
     errors: dict[str, list[torch.Tensor]] = {}
-    judged: dict[str, list[torch.Tensor]] = {}
+    left_out: dict[str, int] = {}
     csa = iter(flipped or ())
     for key, got, want in results:
         e = _token_errors(got, want)
+        if flipped is not None and key == "attention csa":
+            other = next(csa)
+            if bool((~other).any()):
+                e, left_out[key] = e[~other], left_out.get(key, 0) + int(other.sum())
         errors.setdefault(key, []).append(e)
-        judged.setdefault(key, []).append(e[~next(csa)] if flipped is not None and key == "attention csa" else e)
     checks = []
     for key, errs in sorted(errors.items()):
-        e, kept = torch.cat(errs), torch.cat(judged[key])
+        e = torch.cat(errs)
         budget = budgets[key.split()[0]].budget
         median = e.median().item()
-        share = (kept > OUTLIER_FACTOR * budget).float().mean().item() if kept.numel() else 0.0
+        share = (e > OUTLIER_FACTOR * budget).float().mean().item()
         ok = median <= budget and share <= OUTLIER_SHARE
-        left = f"; {e.numel() - kept.numel()} selecting otherwise left out" if kept.numel() < e.numel() else ""
+        left = f"; {left_out[key]} selecting otherwise left out" if left_out.get(key) else ""
         checks.append(Check(f"{key}: median token error / outliers ({e.numel()} tokens{left})",
                             f"{median:.4f} / {share:.1%}", f"<= {budget} / <= {OUTLIER_SHARE:.0%}", ok))
     return checks
@@ -131,6 +136,7 @@ class ReferenceRun(NamedTuple):
     sublayer_calls: list               # recorded attention / MoE sub-layer calls
     op_calls: list                     # recorded weight-free op calls
     draft: DraftReference | None       # greedy draft blocks over prompt + tokens (None: no DSpark drafter)
+    state: dict                        # its live rows at the end (every token fed but the last)
 
 
 def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> ReferenceRun:
@@ -140,16 +146,16 @@ def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> Referenc
     with rendered("cpu", recording, "reference") as code:
         ref = load_model(model_path, "cpu", code=code)
         prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
-        logits = _reference_greedy(ref, prompt, steps, code.model.RECORDED)
+        logits, state = _reference_greedy(ref, prompt, steps, code.model.RECORDED)
         recorded = list(code.model.RECORDED)
         tokens = [int(torch.argmax(x[-1])) for x in logits]
         draft = reference_draft(ref, prompt + tokens)
     calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table != "op"]
     op_calls = [(op, args, kwargs, out) for table, op, args, kwargs, out in recorded if table == "op"]
-    return ReferenceRun(prompt, tokens, logits, calls, op_calls, draft)
+    return ReferenceRun(prompt, tokens, logits, calls, op_calls, draft, state)
 
 
-def _reference_greedy(ref: Model, prompt: list[int], steps: int, recorded: list) -> list[torch.Tensor]:
+def _reference_greedy(ref: Model, prompt: list[int], steps: int, recorded: list) -> tuple[list[torch.Tensor], dict]:
     store, seqs = new_store(ref, [len(prompt) + steps], staggered=False)
     logits = recording_step(ref, store, make_batch([prompt], last_only=True), seqs, recorded)
     out, pos = [logits], len(prompt)
@@ -158,7 +164,7 @@ def _reference_greedy(ref: Model, prompt: list[int], steps: int, recorded: list)
         logits = recording_step(ref, store, make_batch([[token]], [pos], last_only=True), seqs, recorded)
         out.append(logits)
         pos += 1
-    return out
+    return out, store.live_rows(seqs[0])
 
 
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
@@ -209,6 +215,7 @@ def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim:
             fresh = paged_run(dev, prompt, tokens, sites=fault.paged, staggered=False)
         checks.append(guard_check(guard))
         checks += logit_checks(ref_logits, first.logits, budgets["logits"].budget, first.error)
+        checks.append(state_check(reference.state, first.state, first.error, Check))
         checks.append(placement_check(first, fresh, Check))
         if done():
             return Report(backend, tuple(checks))
@@ -231,9 +238,11 @@ def guard_check(guard: CapabilityGuard) -> Check:
     return Check("guard violations", str(len(violations)), "0", not violations)
 
 
-def logit_checks(ref_logits, dev_logits, budget: float, error: str | None = None, what: str = "steps") -> list[Check]:
+def logit_checks(ref_logits, dev_logits, budget: float, error: str | None = None, what: str = "steps",
+                 agree_share: float = 1.0) -> list[Check]:
     """Last-row logits of each step (or position) against the reference's: finite, the largest
-    difference, and top-1 agreement wherever the reference's margin exceeds `budget`."""
+    difference, and top-1 agreement wherever the reference's margin exceeds `budget` (on every
+    such step, or on `agree_share` of them)."""
     if error is not None:                          # the run itself failed: a wrong slot mapping (B12, B13)
         return [Check("paged teacher-forced run", error[:80], "completes", False)]
     qualifying = agree = 0
@@ -247,7 +256,9 @@ def logit_checks(ref_logits, dev_logits, budget: float, error: str | None = None
         if (top2[0] - top2[1]).item() > budget:
             qualifying += 1
             agree += int(torch.argmax(d) == torch.argmax(r))
+    need = math.ceil(agree_share * qualifying)
+    wanted = "all" if agree_share >= 1 else f">= {agree_share:.0%}"
     return [Check("logits finite", str(finite), "True", finite),
             Check("max |delta logit|", f"{worst:.3f}", "reported", True),
             Check(f"top-1 agreement on decisive {what} ({qualifying}/{len(ref_logits)} qualify)",
-                  f"{agree}/{qualifying}", f"all (margin > {budget})", qualifying > 0 and agree == qualifying)]
+                  f"{agree}/{qualifying}", f"{wanted} (margin > {budget})", qualifying > 0 and agree >= need)]

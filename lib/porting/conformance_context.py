@@ -9,9 +9,10 @@ steps, all under the guard. The reference records the last prefill chunk and the
 only (every chunk's records would hold gigabytes): each attention and MoE sub-layer is replayed on
 the device within the profile's budgets, and the selection each replayed CSA layer made is
 compared with the reference's entry by entry (a query whose selection differs at a near-tie is
-judged there, not also as an attention outlier). The
-logits of every position of the last chunk and of each decode step must agree on top-1 wherever
-the reference's margin exceeds the logit budget.
+judged there, not also as an attention outlier). The logits of every position of the last chunk
+and of each decode step must agree on top-1 wherever the reference's margin exceeds the logit
+budget, and the state the device holds at the end (every entry of every layer) must be the
+reference's within the state budget of lib/porting/conformance_paged.py.
 
 It means something only with Flash's window 128 and compress ratios 4 / 128 (the `tiny-long`
 preset, lib/weights/tiny_checkpoint.py): one check says whether the config has them, two how
@@ -29,7 +30,7 @@ from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance import (Check, Report, device_sublayers, guard_check, logit_checks, prompt_ids,
                                      sublayer_checks)
 from lib.porting.conformance_ops import SELECTION_MISMATCH
-from lib.porting.conformance_paged import new_store, recording_step
+from lib.porting.conformance_paged import new_store, recording_step, state_check
 from lib.porting.rendering import rendered
 from lib.records.addressing import PagedSites
 from lib.records.batch import make_batch
@@ -39,6 +40,12 @@ from lib.weights.params import LoadOptions
 from spec.profile import load_profile
 
 FLASH_WINDOW, FLASH_RATIOS = 128, (4, 128)
+# Share of the decisive positions whose top-1 must agree. Past a long prefill the indexer's
+# near-tie choices differ for a quarter to a half of the queries (255-605 of 1032 measured at 1536
+# positions), each moving its attention a little; over a few hundred decisive positions one or two
+# flip at margins just above the logit budget (ascend310p 410/412, ascend910 276/277 measured). A
+# real bug moves many (C02: 387/412).
+TOP1_SHARE = 0.99
 
 
 class ContextReference(NamedTuple):
@@ -48,6 +55,7 @@ class ContextReference(NamedTuple):
     logits: list[torch.Tensor]     # [1, V] of every position of the last chunk, then of each decode step
     sublayer_calls: list           # recorded attention / MoE calls of the last chunk and the decode steps
     selections: list               # [T, k] entry ids each CSA layer selected in the same steps, in call order
+    state: dict                    # its live rows at the end (PagedCache.live_rows)
 
 
 def context_reference(model_path, context: int, steps: int = 8, chunk: int = 1024) -> ContextReference:
@@ -68,10 +76,10 @@ def context_reference(model_path, context: int, steps: int = 8, chunk: int = 102
             tokens.append(int(torch.argmax(rows[-1][-1])))
             rows.append(recording_step(ref, store, make_batch([[tokens[-1]]], [context + k], last_only=True), seqs,
                                        recorded))
-        recorded = list(recorded)
+        recorded, state = list(recorded), store.live_rows(seqs[0])
     calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table != "op"]
     selections = [out for table, _, _, _, out in recorded if table == "op"]
-    return ContextReference(ids, chunk, tokens, rows, calls, selections)
+    return ContextReference(ids, chunk, tokens, rows, calls, selections, state)
 
 
 def run(backend: str, model_path, context: int, steps: int = 8, chunk: int = 1024, ep_sim: int = 2,
@@ -113,7 +121,8 @@ def run(backend: str, model_path, context: int, steps: int = 8, chunk: int = 102
                     "under the guard)"), guard:
             rows, store, error = _device_run(dev, reference, fault.paged)
         checks += [guard_check(guard)] + logit_checks(reference.logits, rows, budgets["logits"].budget, error,
-                                                     what="positions")
+                                                     what="positions", agree_share=TOP1_SHARE)
+        checks.append(state_check(reference.state, None if store is None else store.live_rows(0), error, Check))
         checks += scale_checks(dev, store, context)
     return Report(backend, tuple(checks))
 

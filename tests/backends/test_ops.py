@@ -55,18 +55,27 @@ def test_sink_only_enlarges_the_denominator():
 
 
 def test_window_and_compressed_visibility():
-    """Query t sees raw positions t-W+1..t and HCA entries w < (t+1)/m (§3.9)."""
+    """Query t sees raw positions t-W+1..t and HCA entries w < (t+1)/m (§3.9), read through the
+    batch's addressing: a one-sequence batch in slot 0 of a ring of W + 1 rows, entries in block 0."""
+    from lib.records.addressing import Addressing, GroupTable
+
     d, window, ratio = 4, 2, 2
     kv = torch.eye(d)[:4]                                    # position p's key is basis vector p
-    entries = [torch.full((2, d), 0.0)]
+    ring = torch.zeros(2, window + 1, d)                     # slot 0 and the trash slot
+    entries = torch.zeros(16, d)                             # two complete entries, both zero keys
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+    state = Addressing(i64(0, 0, 0, 0), i64(0), i64(0), i64(4), i64(0),
+                       (GroupTable(ratio, torch.tensor([[0]], dtype=torch.int32)),), {}, {ratio: 2}, 1, 16, 16)
     q = torch.zeros(4, 1, d)                                 # uniform attention over what is visible
-    out, new = attention.sparse_attention(q, kv, make_batch([[0, 0, 0, 0]]), [torch.zeros(0, d)], entries,
-                                          None, torch.tensor([-1e9]), window=window, ratio=ratio)
+    batch = make_batch([[0, 0, 0, 0]])._replace(state=state)
+    out, pool = attention.sparse_attention(q, kv, batch, ring, entries, None, torch.tensor([-1e9]),
+                                           window=window, ratio=ratio)
     # t=3: window {2, 3} + entries w < 2 -> 4 keys, weight 1/4 each
     assert torch.allclose(out[3, 0], torch.tensor([0.0, 0.0, 0.25, 0.25]))
     # t=0: window {0}, no complete entry yet
     assert torch.allclose(out[0, 0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    assert torch.equal(new[0], kv[-window:])
+    # the ring keeps the last W + 1 positions, position p in row p mod 3
+    assert pool is ring and torch.equal(ring[0], kv[[3, 1, 2]])
 
 
 def test_routing_weights_renormalise_and_bias_only_steers_selection():

@@ -52,14 +52,7 @@ def test_decode_step_has_no_host_sync(loaded, backend):
         f"data/decode-launches.json is stale for {backend}; run: dsv4gen plan --ops --backend {backend} --record")
 
 
-# hip936's routed experts (backends/hip936/lowerings.py _routed_rows) loop in Python over each
-# (token, pick) pair up to PAIRWISE_MAX pairs, and over every local expert above it: its launches
-# grow with the batch until that lowering is batch-wide
-BATCH_BOUND = {"hip936": "hip936 routed experts loop per token / per expert (lowerings._routed_rows)"}
-
-
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=BATCH_BOUND[b]))
-                                     if b in BATCH_BOUND else b for b in backend_names()])
+@pytest.mark.parametrize("backend", backend_names())
 def test_decode_launches_do_not_depend_on_the_batch(loaded, backend):
     one, many = (count_launches(loaded(backend), batch, with_round=False) for batch in (1, 16))
     assert many.batch == 16 and many.syncs == 0
@@ -75,6 +68,8 @@ def test_plan_ops_cli(flash, capsys):
     assert "dsv4gen plan needs one --backend" in capsys.readouterr().err
     assert main(["plan", "--backend", "cpu", "--ops", "--batch", "0"]) == 2
     assert "--batch must be at least 1" in capsys.readouterr().err
+    assert main(["plan", "--backend", "cpu", "--ops", "--batch", "2", "--record"]) == 2
+    assert "--record keeps counts of batch 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -259,9 +259,13 @@ def test_drafter_rings_round_trip_on_the_hybrid_geometry(tiny_ckpt):
 
 # ---- injected field bugs ----------------------------------------------------------------------------
 def _teacher_forced(model, ids: list[int], steps: int, sites=PagedSites()) -> list[torch.Tensor]:
-    """A pool sized to the run, so a stray slot falls outside it instead of landing unnoticed."""
+    """A pool sized to the run, so a stray slot falls outside it instead of landing unnoticed. A
+    short sequence first takes block 0 of the ratio-4 group only, so the sequence under test holds
+    different blocks in its two groups (B14 reads the other group's table)."""
     total = len(ids) + steps
-    store = _store(model, num_blocks=-(-total // model.facts.block_tokens), max_seqs=1, sites=sites)
+    store = _store(model, num_blocks=-(-total // model.facts.block_tokens) + 1, max_seqs=2, seqs=("pad", "s"),
+                   sites=sites)
+    store.ensure("pad", 4)                                         # one c4 block, no c8 block
     out = [_last(model, store, "s", ids)]
     for pos in range(len(ids), total):
         out.append(_last(model, store, "s", [int(ids[pos % len(ids)])]))
