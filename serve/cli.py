@@ -155,12 +155,13 @@ def server_for(prepared: Prepared, log_level: str = "warning", announce=None, ou
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lib.weights.checkpoint import CheckpointError
     from lib.runtime.hostmem import keep_freed_memory
+
+    keep_freed_memory()                          # lib/runtime/hostmem.py: before torch is imported
+    from lib.weights.checkpoint import CheckpointError
     from spec.yamlio import SpecError
 
     args = parser().parse_args(argv)
-    keep_freed_memory()                          # lib/runtime/hostmem.py: large temporaries reuse the heap
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("dsv4gen.serve.requests").setLevel(logging.WARNING if args.disable_log_requests
                                                          else logging.INFO)

@@ -267,14 +267,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from lib.weights.checkpoint import CheckpointError
     from lib.runtime.hostmem import keep_freed_memory
+
+    keep_freed_memory()                          # lib/runtime/hostmem.py: before torch is imported
+    from lib.weights.checkpoint import CheckpointError
     from spec.yamlio import SpecError
 
     if argv[:1] == ["serve"]:                    # the server owns its flags (python -m serve --help)
         from serve.cli import main as serve_main
         return serve_main(argv[1:])
-    keep_freed_memory()                          # lib/runtime/hostmem.py: large temporaries reuse the heap
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

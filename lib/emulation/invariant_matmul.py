@@ -51,18 +51,43 @@ def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:m].reshape(*lead, b.shape[-1])
 
 
+# Bytes of B's operand repeated per row that one host bmm makes: an attention block of a 512-token
+# prefill chunk (8 heads, 128 dims, 256 entries) would copy 512 MiB at once, and such temporaries
+# of changing sizes fragmented the host heap (peak resident memory of the ascend910 emulation grew
+# 376 MiB from 4K to 64K context, its live bytes flat). Items are independent products, so taking
+# them a group at a time changes no value.
+COPY_BYTES = 1 << 25
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] -> [B, M, N], where row m of item i does not depend on M either.
 
     Attention's heads are the M of a per-token product, and tensor parallelism changes how many
     heads a rank holds: measured here, one head's fp32 logits differ between M = 8 and M = 2 (one
     process vs TP=4), which flipped a greedy token on ascend910. On CPU each of the B*M rows is its
-    own batch item again, at the cost of B's operand repeated M times (emulation-sized shapes)."""
+    own batch item again, at the cost of B's operand repeated M times (COPY_BYTES of it at a time)."""
     if not a.is_cpu:
         return torch.bmm(a, b)
+    if torch._C._len_torch_dispatch_stack():
+        # under the capability guard: the device runs one bmm (see matmul)
+        torch.bmm(a, b)
+        with _disable_current_modes():
+            return _row_items(a, b)
+    return _row_items(a, b)
+
+
+def _row_items(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch, m = a.shape[:2]
-    rows = a.reshape(batch * m, 1, a.shape[-1]).contiguous()                           # [B*M, 1, K]
-    # contiguous whatever B is: with B = 1 the reshape is a stride-0 view, and BLAS rounds a
-    # strided operand differently (one decoded token against a verify of six broke otherwise)
-    shared = b.unsqueeze(1).expand(batch, m, *b.shape[1:]).reshape(batch * m, *b.shape[1:]).contiguous()
-    return torch.bmm(rows, shared).reshape(batch, m, b.shape[-1])
+    if batch * m == 0:
+        return torch.bmm(a, b)
+    group = max(1, COPY_BYTES // max(1, m * b.shape[1] * b.shape[2] * b.element_size()))
+    out = []
+    for lo in range(0, batch, group):
+        ai, bi = a[lo:lo + group], b[lo:lo + group]
+        n = ai.shape[0]
+        rows = ai.reshape(n * m, 1, a.shape[-1]).contiguous()                           # [n*M, 1, K]
+        # contiguous whatever n is: with n = 1 the reshape is a stride-0 view, and BLAS rounds a
+        # strided operand differently (one decoded token against a verify of six broke otherwise)
+        shared = bi.unsqueeze(1).expand(n, m, *b.shape[1:]).reshape(n * m, *b.shape[1:]).contiguous()
+        out.append(torch.bmm(rows, shared).reshape(n, m, b.shape[-1]))
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -80,7 +80,10 @@ def _token_errors(dev: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Re-run every recorded reference sub-layer call on the device, teacher-forced: the same
-    inputs, an attention call over a copy of the pools it read in the device's state dtypes."""
+    inputs, an attention call over a copy of the pools it read in the device's state dtypes. An
+    attention call that completes entries also yields them ("attention <kind> entries"): the rows
+    its compressors wrote against the reference's (entries are written once, so the reference's
+    pools still hold them), which judges the compressor where the attention's output dilutes it."""
     gen, out = dev.module, []
     for table, kind, args, ref_out in ref_calls:
         layer = args[-3]
@@ -88,8 +91,15 @@ def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, tor
         if table == "ATTENTION":                   # (h, batch, cache)
             inputs[2] = copy_pools(inputs[2], dev.state, layer.attention, dev.state_dtype)
         got = getattr(gen, table)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg, dev.rope)
-        got, want = (got[0], ref_out[0]) if table == "ATTENTION" else (got, ref_out)
-        out.append((f"{'attention' if table == 'ATTENTION' else 'ffn'} {kind}", got, want))
+        if table != "ATTENTION":
+            out.append((f"ffn {kind}", got, ref_out))
+            continue
+        out.append((f"attention {kind}", got[0], ref_out[0]))
+        writes = inputs[1].state.writes.get(layer.ratio) if layer.ratio else None
+        if writes is not None and writes.slots.numel():
+            for mine, theirs in ((got[1].comp, ref_out[1].comp), (got[1].index, ref_out[1].index)):
+                if mine is not None:
+                    out.append((f"attention {kind} entries", mine.entries[writes.slots], theirs.entries[writes.slots]))
     return out
 
 
@@ -104,7 +114,7 @@ def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None =
     """`flipped`: for each "attention csa" result in order, [T] tokens whose device selection differs
     from the reference's (a near-tie at the top-k boundary, judged by the selection check instead);
     the other tokens are judged here. A long context's thousands of candidates put such ties in a
-    quarter to half of the queries (lib/porting/conformance_context.py); a short run has few."""
+    quarter to four fifths of the queries (lib/porting/conformance_context.py); a short run has few."""
     errors: dict[str, list[torch.Tensor]] = {}
     left_out: dict[str, int] = {}
     csa = iter(flipped or ())
@@ -123,7 +133,8 @@ def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None =
         share = (e > OUTLIER_FACTOR * budget).float().mean().item()
         ok = median <= budget and share <= OUTLIER_SHARE
         left = f"; {left_out[key]} selecting otherwise left out" if left_out.get(key) else ""
-        checks.append(Check(f"{key}: median token error / outliers ({e.numel()} tokens{left})",
+        unit = "rows" if key.endswith("entries") else "tokens"
+        checks.append(Check(f"{key}: median {unit[:-1]} error / outliers ({e.numel()} {unit}{left})",
                             f"{median:.4f} / {share:.1%}", f"<= {budget} / <= {OUTLIER_SHARE:.0%}", ok))
     return checks
 

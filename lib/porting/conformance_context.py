@@ -41,11 +41,12 @@ from spec.profile import load_profile
 
 FLASH_WINDOW, FLASH_RATIOS = 128, (4, 128)
 # Share of the decisive positions whose top-1 must agree. Past a long prefill the indexer's
-# near-tie choices differ for a quarter to a half of the queries (255-605 of 1032 measured at 1536
-# positions), each moving its attention a little; over a few hundred decisive positions one or two
-# flip at margins just above the logit budget (ascend310p 410/412, ascend910 276/277 measured). A
-# real bug moves many (C02: 387/412).
-TOP1_SHARE = 0.99
+# near-tie choices differ for a quarter to four fifths of the queries (255-605 of 1032 at 1536
+# positions, 1470-1855 of 2056 at 16384), each moving its attention a little; over hundreds of
+# decisive positions a few flip at margins above the logit budget (measured: ascend310p 410/412
+# at 1536 and 810/811 at 16384, ascend910 276/277 and 511/515). A real bug moves many (C02:
+# 387/412 at 1536).
+TOP1_SHARE = 0.98
 
 
 class ContextReference(NamedTuple):
