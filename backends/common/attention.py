@@ -18,7 +18,10 @@ from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools
 
 # Entries attended per HCA block (a running softmax across blocks) and the tile budget of one
-# indexer block: memory per step whatever the context.
+# indexer block: memory per step whatever the context. Every block has its full width (entries
+# past the sequence's masked), so a step's temporaries have the same shapes at any context: a
+# block that grew with the context grew the peak and fragmented the emulation's host heap, and a
+# device graph would be captured again at every new width.
 HCA_BLOCK = 256
 INDEX_TILE_BYTES = 1 << 25
 
@@ -79,9 +82,8 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     ws = weights.float() * weight_scale
     best = torch.full((t, topk), float("-inf"), device=q.device)
     best_ids = torch.full((t, topk), -1.0, device=q.device)                                       # float sort keys (L13)
-    step = index_block(t, q.shape[1], q.shape[2])
-    for lo in range(0, addr.max_entries[ratio], step):
-        n = min(step, addr.max_entries[ratio] - lo)
+    n = index_block(t, q.shape[1], q.shape[2])                                  # every block full width
+    for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int32, device=q.device)
         rows = addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.to(torch.int64).repeat(t))
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
@@ -127,7 +129,7 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     if entries is not None and selection is None:
         limit = (batch.positions + 1) // ratio
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64, device=q.device)
+            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64, device=q.device)
             rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(t))
             block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

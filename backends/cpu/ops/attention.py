@@ -17,7 +17,9 @@ from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
 
 # HCA entries attended per block (a running softmax across blocks): a [T, block, D] gather and
-# [T, H, block] logits per step whatever the context length.
+# [T, H, block] logits per step whatever the context length. Every block is full width, entries
+# past the sequence's masked: the same shapes at 4K as at 256K, so the peak memory of a step is
+# the same too (a first block that grew up to 256 entries, 32K positions, grew the peak with it).
 HCA_BLOCK = 256
 
 
@@ -85,7 +87,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: t
     if entries is not None and selection is None:                       # HCA: every complete entry
         limit = (batch.positions + 1) // ratio
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids = torch.arange(lo, min(lo + HCA_BLOCK, addr.max_entries[ratio]), dtype=torch.int64)
+            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64)                # full width, masked
             block = _entries(addr, entries, ratio, ids).double()                        # [n, D] or [T, n, D]
             spec = ("thd,kd->thk", "thk,kd->thd") if block.dim() == 2 else ("thd,tkd->thk", "thk,tkd->thd")
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

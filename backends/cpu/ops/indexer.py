@@ -19,6 +19,9 @@ from lib.records.batch import Batch
 # the running top-k sorts k + block candidates per query.
 INDEX_TILE_BYTES = 1 << 25
 INDEX_MIN_BLOCK, INDEX_MAX_BLOCK = 16, 1024
+# Every block, the last included, is as wide as the others (entries past the sequence's are masked), so
+# a step's temporaries have the same shapes at any context: memory is flat beyond the first blocks
+# (a last block that grew with the context made every chunk allocate new sizes, and the heap grew).
 
 
 def block_size(queries: int, heads: int, dim: int, itemsize: int = 8) -> int:
@@ -77,9 +80,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     # the running selection starts as k empty slots: ids -k..-1 (below every real id), -inf
     best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
     best = torch.full((t, topk), float("-inf"), dtype=torch.float64)
-    step = block_size(t, q.shape[1], q.shape[2])
-    for lo in range(0, addr.max_entries[ratio], step):
-        n = min(step, addr.max_entries[ratio] - lo)
+    n = block_size(t, q.shape[1], q.shape[2])          # every block full width
+    for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int64)
         scores = block_scores(q, ws, _keys(addr, keys, ratio, ids)).masked_fill_(ids[None, :] >= limit[:, None],
                                                                                  float("-inf"))
