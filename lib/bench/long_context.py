@@ -174,19 +174,23 @@ def main(argv=None) -> int:
 
 
 def _plot(path: Path, result: dict) -> None:
-    """Left: decode step time split into the growing parts and the rest, per backend. Right: prefill
-    tokens/s. Both against context on log axes."""
+    """Left: the decode step's rest and its growing ops as multiples of the baseline sequence's,
+    measured beside it (flat = independent of context), per backend. Right: prefill tokens/s.
+    Both against context on log axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for backend, data in result["backends"].items():
-        n = [r["context"] for r in data["rows"]]
-        left.loglog(n, [r["decode_rest_s"] * 1e3 for r in data["rows"]], "o-", label=f"{backend}: rest")
-        left.loglog(n, [r["decode_growing_s"] * 1e3 for r in data["rows"]], "s--", label=f"{backend}: indexer + HCA")
-        right.semilogx(n, [r["prefill_tokens_per_s"] for r in data["rows"]], "o-", label=backend)
-    left.set(xlabel="context tokens", ylabel="ms per decode step", title="decode step: what grows with context")
+        rows = data["rows"]
+        n = [r["context"] for r in rows]
+        left.loglog(n, [r["rest_vs_baseline"] for r in rows], "o-", label=f"{backend}: rest")
+        for op in GROWING:
+            left.loglog(n, [r["parts_vs_baseline"].get(op, float("nan")) for r in rows], "s--", label=f"{backend}: {op}")
+        right.semilogx(n, [r["prefill_tokens_per_s"] for r in rows], "o-", label=backend)
+    left.set(xlabel="context tokens", ylabel=f"x the {rows[0]['baseline_context']}-token sequence beside it",
+             title="decode step: what grows with context")
     right.set(xlabel="context tokens", ylabel="prefill tokens/s", title=f"chunked prefill ({result['chunk']}-token chunks)")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
