@@ -46,8 +46,12 @@ def _decode(model, store, seq: int, ids, pos: int) -> tuple[float, dict]:
     return time.perf_counter() - t0, dict(times)
 
 
+def _growing(step: tuple[float, dict]) -> float:
+    return sum(step[1].get(k, 0.0) for k in GROWING)
+
+
 def _rest(step: tuple[float, dict]) -> float:
-    return step[0] - sum(step[1].get(k, 0.0) for k in GROWING)
+    return step[0] - _growing(step)
 
 
 def run_context(model, n: int, chunk: int, decode_steps: int, baseline: int, seed: int = 5) -> dict:
@@ -66,24 +70,27 @@ def run_context(model, n: int, chunk: int, decode_steps: int, baseline: int, see
     # token ids stay a tensor (a list of 256K Python ints would add 9 MiB to the resident memory measured)
     ids = [torch.randint(16, model.cfg.vocab_size, (m + decode_steps,), generator=gen) for m in (n, baseline)]
     store = PagedCache.for_lengths(model, [n + decode_steps, baseline + decode_steps])
-    for seq, m in ((1, baseline), (0, n)):                 # the baseline first: its prefill is not timed
+
+    def prefill(seq: int, m: int) -> None:
         store.add(seq)
-        times.clear()
-        t0 = time.perf_counter()
         for lo in range(0, m, chunk):
             paged_step(model, make_batch([ids[seq][lo:min(m, lo + chunk)].tolist()], [lo], last_only=True), store, [seq])
-        prefill_s, prefill_parts = time.perf_counter() - t0, dict(times)
+
+    prefill(1, baseline)                                    # the baseline first, untimed
+    times.clear()
+    t0 = time.perf_counter()
+    prefill(0, n)
+    prefill_s, prefill_parts = time.perf_counter() - t0, dict(times)
     pairs = [(_decode(model, store, 0, ids[0], n + i), _decode(model, store, 1, ids[1], baseline + i))
              for i in range(decode_steps)]
     pairs = pairs[1:] if len(pairs) > 2 else pairs          # the first decode step pays for warm-up
     steps = [mine for mine, _ in pairs]
     step_s = [s for s, _ in steps]
-    growing = [sum(p.get(k, 0.0) for k in GROWING) for _, p in steps]
     held = store.bytes_per_sequence() + store.bytes_per_token() * n
     return {"context": n, "baseline_context": baseline, "prefill_s": prefill_s, "prefill_tokens_per_s": n / prefill_s,
             "prefill_parts_s": prefill_parts, "decode_step_s": statistics.median(step_s),
             "decode_tokens_per_s": 1 / statistics.median(step_s),
-            "decode_growing_s": statistics.median(growing),
+            "decode_growing_s": statistics.median(_growing(step) for step in steps),
             "decode_rest_s": statistics.median(_rest(step) for step in steps),
             "decode_parts_s": {k: statistics.median(p.get(k, 0.0) for _, p in steps) for k in steps[0][1]},
             # side by side with the baseline sequence, step by step

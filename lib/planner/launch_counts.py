@@ -160,7 +160,7 @@ def decode_launches(backend: str, path: Path | None = None, batch: int = 1) -> L
 def count_launches(counted: Counted, batch: int = 1, with_round: bool = True) -> LaunchReport:
     """Counts of one decode step and (`with_round`, where the model drafts) one DSpark round of
     `batch` sequences stepping together. With batch-wide ops the counts do not depend on `batch`;
-    tests/planner/test_launches.py checks it for every backend (hip936's routed experts still loop)."""
+    tests/planner/test_launches.py checks it for every backend."""
     from lib.engine.drafting import block_size, context_rows, propose
 
     if batch < 1:
