@@ -41,11 +41,11 @@ from spec.profile import load_profile
 
 FLASH_WINDOW, FLASH_RATIOS = 128, (4, 128)
 # Share of the decisive positions whose top-1 must agree. Past a long prefill the indexer's
-# near-tie choices differ for a quarter to four fifths of the queries (255-605 of 1032 at 1536
-# positions, 1470-1855 of 2056 at 16384), each moving its attention a little; over hundreds of
-# decisive positions a few flip at margins above the logit budget (measured: ascend310p 410/412
-# at 1536 and 810/811 at 16384, ascend910 276/277 and 511/515). A real bug moves many (C02:
-# 387/412 at 1536).
+# near-tie choices differ for a quarter to four fifths of the queries (250-599 of 1040 at 1536
+# positions, 840-1675 of 2064 at 16384, measured over the device backends), each moving its
+# attention a little; over hundreds of decisive positions a few flip at margins above the logit
+# budget (measured: ascend310p 414/416 at 1536 and 810/811 at 16384, ascend910 280/281 and
+# 511/515). A real bug moves many (C02: 393/416 at 1536 on ascend310p).
 TOP1_SHARE = 0.98
 
 
