@@ -1,7 +1,7 @@
 """The hand-written layers between the spec and the server, one package per concern.
 
 Above `spec` and `codegen`, from the bottom: `guard`, `records`, `text`, `console` (no project
-imports); `distributed`, `emulation`; `quant`; `weights`; then `backends` (a sibling package);
+imports); `torch_ops` (the device ops' schemas and registration); `distributed`, `emulation`; `quant`; `weights`; then `backends` (a sibling package);
 `runtime`; `engine`; `launcher`; `porting` and `planner`; `serve` (a sibling package); `bench`;
 `cli`. A package imports only packages below it: the contracts in pyproject.toml ([tool.importlinter]) are checked in CI.
 """

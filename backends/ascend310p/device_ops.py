@@ -1,5 +1,5 @@
 """Ascend 310P (Atlas 300I Duo) device ops. Each function has exactly torch_npu 2.14.0's name and signature
-(data/torch_npu-2.14.0-npu-op-schemas.txt); it calls torch_npu when that imports and an NPU is present, else
+(data/torch_npu-2.14.0-npu-op-schemas.txt) and is the registered torch op dsv4gen::<op>.ascend310p; it calls torch_npu when that imports and an NPU is present, else
 the quirk-faithful CPU emulation (lib/emulation/npu_ops.py, soc "310p"; the 310P-only fused W8A8 ops live here).
 Must not know the model, tensor names, the planner, or any other chip.
 """
@@ -10,8 +10,10 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import npu_ops as emu
-from lib.emulation.npu_ops import F16, F32, I8, device_op
+from lib.emulation.npu_ops import F16, F32, I8
+from lib.emulation.registered import device_op
 
+CHIP = "ascend310p"   # the overload name of its registered ops: torch.ops.dsv4gen.<op>.ascend310p
 SOC = "310p"
 
 # op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces
@@ -29,7 +31,7 @@ DEVICE_OPS = MappingProxyType({
 # port (PORTING-LESSONS report 000) called both and hit L06/L07/L08: the shims follow the field report.
 
 
-@device_op("npu_quant_matmul")
+@device_op("npu_quant_matmul", CHIP, SOC)
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
                      x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
                      y_scale=None):
@@ -39,7 +41,7 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     return emu.quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, group_sizes, y_scale, soc=SOC)
 
 
-@device_op("npu_quant_matmul_dequant")
+@device_op("npu_quant_matmul_dequant", CHIP, SOC)
 def npu_quant_matmul_dequant(x, quantized_weight, weight_scale, *, bias=None, x_scale=None, x_offset=None,
                              smooth_scale=None, quant_mode='pertoken'):
     if (real := emu.real_npu_op("npu_quant_matmul_dequant")) is not None:
@@ -48,7 +50,7 @@ def npu_quant_matmul_dequant(x, quantized_weight, weight_scale, *, bias=None, x_
                                  quant_mode)
 
 
-@device_op("npu_quant_grouped_matmul_dequant")
+@device_op("npu_quant_grouped_matmul_dequant", CHIP, SOC)
 def npu_quant_grouped_matmul_dequant(x, quantized_weight, weight_scale, group_list, *, bias=None, x_scale=None,
                                      x_offset=None, smooth_scale=None, quant_mode='pertoken'):
     if (real := emu.real_npu_op("npu_quant_grouped_matmul_dequant")) is not None:
@@ -57,7 +59,7 @@ def npu_quant_grouped_matmul_dequant(x, quantized_weight, weight_scale, group_li
                                  smooth_scale, quant_mode)
 
 
-@device_op("npu_grouped_matmul")
+@device_op("npu_grouped_matmul", CHIP, SOC)
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
@@ -72,7 +74,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                               weight_dtype, soc=SOC)
 
 
-@device_op("npu_moe_init_routing_v2")
+@device_op("npu_moe_init_routing_v2", CHIP, SOC)
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
                             expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
                             quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
@@ -83,21 +85,21 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
                                 soc=SOC)
 
 
-@device_op("npu_moe_token_unpermute")
+@device_op("npu_moe_token_unpermute", CHIP, SOC)
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
     if (real := emu.real_npu_op("npu_moe_token_unpermute")) is not None:
         return emu.forward(real, locals())
     return emu.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape, soc=SOC)
 
 
-@device_op("npu_rms_norm")
+@device_op("npu_rms_norm", CHIP, SOC)
 def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_rms_norm")) is not None:
         return emu.forward(real, locals())
     return emu.rms_norm(input, gamma, epsilon, soc=SOC)
 
 
-@device_op("npu_scatter_nd_update_")
+@device_op("npu_scatter_nd_update_", CHIP, SOC)
 def npu_scatter_nd_update_(input, indices, updates):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_scatter_nd_update_")) is not None:
         return emu.forward(real, locals())

@@ -1,5 +1,5 @@
 """Ascend 910B / 910C (Atlas A2 / A3) device ops. Each function has exactly torch_npu 2.14.0's name and
-signature (data/torch_npu-2.14.0-npu-op-schemas.txt); it calls torch_npu when that imports and an NPU is
+signature (data/torch_npu-2.14.0-npu-op-schemas.txt) and is the registered torch op dsv4gen::<op>.ascend910; it calls torch_npu when that imports and an NPU is
 present, else the CPU emulation (lib/emulation/npu_ops.py, soc "910b"; the 910-only ops live here).
 Must not know the model, tensor names, the planner, or any other chip.
 """
@@ -10,8 +10,10 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import npu_ops as emu
-from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4, device_op
+from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4
+from lib.emulation.registered import device_op
 
+CHIP = "ascend910"   # the overload name of its registered ops: torch.ops.dsv4gen.<op>.ascend910
 SOC = "910b"
 
 # op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces. L05 (rows past
@@ -29,7 +31,7 @@ DEVICE_OPS = MappingProxyType({
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
 
-@device_op("npu_dynamic_quant")
+@device_op("npu_dynamic_quant", CHIP, SOC)
 def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,  # noqa: A002 - schema name
                       quant_mode="pertoken", dst_type_max=0.0):
     if (real := emu.real_npu_op("npu_dynamic_quant")) is not None:
@@ -37,7 +39,7 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     return _dynamic_quant(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_max)
 
 
-@device_op("npu_quant_matmul")
+@device_op("npu_quant_matmul", CHIP, SOC)
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
                      x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
                      y_scale=None):
@@ -48,7 +50,7 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     return emu.quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, group_sizes, y_scale, soc=SOC)
 
 
-@device_op("npu_grouped_matmul")
+@device_op("npu_grouped_matmul", CHIP, SOC)
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
@@ -64,7 +66,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                               weight_dtype, soc=SOC)
 
 
-@device_op("npu_moe_init_routing_v2")
+@device_op("npu_moe_init_routing_v2", CHIP, SOC)
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
                             expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
                             quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
@@ -75,7 +77,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
                                 soc=SOC)
 
 
-@device_op("npu_moe_token_unpermute")
+@device_op("npu_moe_token_unpermute", CHIP, SOC)
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
     # research/torch_npu.md documents no hidden-size multiple for 910 (L08 is a 310P finding)
     if (real := emu.real_npu_op("npu_moe_token_unpermute")) is not None:
@@ -83,21 +85,21 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     return emu.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape, soc=SOC)
 
 
-@device_op("npu_rms_norm")
+@device_op("npu_rms_norm", CHIP, SOC)
 def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_rms_norm")) is not None:
         return emu.forward(real, locals())
     return emu.rms_norm(input, gamma, epsilon, soc=SOC)
 
 
-@device_op("npu_rotary_mul")
+@device_op("npu_rotary_mul", CHIP, SOC)
 def npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_rotary_mul")) is not None:
         return emu.forward(real, locals())
     return _rotary_mul(input, r1, r2, rotary_mode, rotate)
 
 
-@device_op("npu_scatter_nd_update_")
+@device_op("npu_scatter_nd_update_", CHIP, SOC)
 def npu_scatter_nd_update_(input, indices, updates):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_scatter_nd_update_")) is not None:
         return emu.forward(real, locals())

@@ -28,12 +28,30 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dt
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
     comb = torch.softmax((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    comb = _sinkhorn(comb, iters, hc_eps)
     u = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
     return u.to(dtype), post, comb
+
+
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [T, n, n] fp32 -> the reference's alternating normalisation, a column step first, then
+    `iters - 1` (row, column) pairs, each dividing by (sum + eps): two launches per step, not three.
+
+    comb sits in a [T, n+1, n+1] frame whose last column and last row hold eps and whose corner
+    holds 1 - n*eps. A row step sums each row over all n+1 columns (the sum and the + eps in one
+    reduction) and divides the first n columns in place; the eps column is never divided, and the
+    last row sums to one, so dividing it changes nothing. A column step is the same along the
+    other axis. Same equations as the reference (DSV4-REFERENCE §3.4); the sums differ from
+    sum-then-add-eps by fp32 rounding order only."""
+    t, n = comb.shape[0], comb.shape[-1]
+    frame = torch.nn.functional.pad(comb, (0, 1, 0, 1), value=eps)
+    frame[:, n, n] = 1.0 - n * eps
+    inner_rows, inner_cols = frame[:, :, :n], frame[:, :n, :]
+    inner_cols.div_(frame.sum(dim=-2, keepdim=True))
+    for _ in range(iters - 1):
+        inner_rows.div_(frame.sum(dim=-1, keepdim=True))
+        inner_cols.div_(frame.sum(dim=-2, keepdim=True))
+    return frame[:, :n, :n]
 
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Hygon DCU gfx936 (BW1000) device op: torch._int_mm, with exactly torch's signature. A ROCm torch that sees
+"""Hygon DCU gfx936 (BW1000) device op: torch._int_mm, with exactly torch's signature, registered as the torch
+op dsv4gen::_int_mm.hip936. A ROCm torch that sees
 a gfx936 runs it for real; anywhere else a CPU emulation first applies the checks the ROCm build makes (torch's
 CPU kernel skips them), so M <= 16 raises here as it does on the DCU (L28).
 Must not know the model, tensor names, the planner, or any other chip.
@@ -10,7 +11,9 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import npu_ops as emu
-from lib.emulation.npu_ops import device_op
+from lib.emulation.registered import device_op
+
+CHIP = "hip936"      # the overload name of its registered ops: torch.ops.dsv4gen.<op>.hip936
 
 # op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces
 DEVICE_OPS = MappingProxyType({"_int_mm": ("L28",)})
@@ -25,7 +28,7 @@ def real_gfx936() -> bool:
     return "gfx936" in f"{getattr(props, 'gcnArchName', '')} {props.name}"
 
 
-@device_op("_int_mm")
+@device_op("_int_mm", CHIP)
 def _int_mm(self, mat2):
     """int8 [M, K] @ int8 [K, N] -> int32 [M, N], exact. On the real stack the tensors must already be on the
     DCU: CPU tensors would reach torch's CPU kernel, which has none of the quirks."""

@@ -68,19 +68,22 @@ def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
 
 
 def _pair_matmul(xq, xs, w) -> torch.Tensor:
-    """Token i's int8 row through its own int8 weight w.qweight[i] [N, K], for every token at once:
-    one `_int_mm` against all the tokens' weights side by side ([K, T*N]), keeping each token's own
-    block (T x the products of T separate calls, but one launch whatever T is)."""
-    t, n, k = w.qweight.shape
-    acc = device._int_mm(device.pad_rows_to(xq), w.qweight.reshape(t * n, k).t().contiguous())[:t]   # [T, T*N]
-    own = torch.diagonal(acc.view(t, t, n), dim1=0, dim2=1).t()                                       # [T, N]
+    """Pair i's int8 row through its own int8 weight w.qweight[i] [N, K], for every pair at once:
+    one `_int_mm` against all the pairs' weights side by side ([K, P*N]), keeping each pair's own
+    block (P x the products of P separate calls, but one launch whatever P is). The rows are
+    always padded (by zero rows when there are 17 or more already), so the launches do not depend
+    on how many pairs a step has."""
+    p, n, k = w.qweight.shape
+    rows = torch.cat((xq, xq.new_zeros(max(0, device.INT_MM_MIN_ROWS - p), k)))        # L28: M > 16
+    acc = device._int_mm(rows, w.qweight.reshape(p * n, k).t().contiguous())[:p]                   # [P, P*N]
+    own = torch.diagonal(acc.view(p, p, n), dim1=0, dim2=1).t()                                     # [P, N]
     return own.float() * xs[:, None] * w.scale
 
 
 # Up to this many tokens (decode batches), run each (token, expert slot) pair on its own
-# requantised expert, all tokens of a slot in one product; above it, requantise the rank's experts
-# once, run every expert over all tokens and keep its rows where routed (prefill). Both have fixed
-# shapes and a launch count that does not depend on the batch, so neither needs a host sync.
+# requantised expert, every pair of the step in one product; above it, requantise the rank's
+# experts once, run every expert over all tokens and keep its rows where routed (prefill). Both
+# have fixed shapes and a launch count that does not depend on the batch, so neither needs a host sync.
 PAIRWISE_MAX_TOKENS = 16
 
 
@@ -104,12 +107,13 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
     for rank in placement.ranks:
         local = local_ids(ids, placement.local_of[rank])
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
-        if t <= PAIRWISE_MAX_TOKENS:
-            for j in range(k):
-                g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local[:, j]), quantize) for w in mats)
-                act = moe.clipped_swiglu(_pair_matmul(xq, xs, g1), _pair_matmul(xq, xs, g3), limit)
-                aq, as_ = _quant_tokens(act)
-                rows[:, j] = rows[:, j] + _pair_matmul(aq, as_, g2)
+        if t <= PAIRWISE_MAX_TOKENS:      # the T*k (token, slot) pairs, token-major, through one chain
+            pq = xq.unsqueeze(1).expand(t, k, xq.shape[-1]).reshape(t * k, -1)
+            ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
+            g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local.reshape(-1)), quantize) for w in mats)
+            act = moe.clipped_swiglu(_pair_matmul(pq, ps, g1), _pair_matmul(pq, ps, g3), limit)
+            aq, as_ = _quant_tokens(act)
+            rows = rows + _pair_matmul(aq, as_, g2).view(t, k, -1)
             continue
         g1, g3, g2 = (packed_fp4_to_w8a8(w, quantize) for w in mats)
         for e in range(placement.n_local):

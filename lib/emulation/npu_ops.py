@@ -17,7 +17,6 @@ import torch
 
 from lib.emulation.invariant_matmul import matmul
 
-from lib.guard.capability import device_op  # noqa: F401 (re-exported to the device modules: a shim call is one launch)
 
 F16, BF16, F32, I8, I32, I64 = torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.int32, torch.int64
 INT4 = torch.quint4x2  # marker for "8 int4 values packed per int32" (torch_npu accepts quint4x2 or its int4 = 285)

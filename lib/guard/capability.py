@@ -1,17 +1,16 @@
 """Capability guard: run code under a backend's rules and refuse what its device cannot do.
 
 Every aten op and Python-level host sync inside `with CapabilityGuard(rules):` is checked (lacked dtypes,
-forbidden ops, data-dependent shapes, host syncs) and counted per section; `@device_op` shims are one opaque
-kernel. It knows no backend by name: everything backend-specific arrives in `GuardRules`, built from a profile."""
+forbidden ops, data-dependent shapes, host syncs) and counted per section; an op of the `dsv4gen`
+torch.library namespace (a registered device op, lib/torch_ops/registry.py) is one opaque kernel. It knows no backend by name: everything backend-specific arrives in `GuardRules`, built from a profile."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from collections import Counter
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -27,6 +26,9 @@ from torch.utils._pytree import tree_leaves
 # - A no-op `.to(dtype)` / `.float()` / `.cpu()` returns before dispatch: every aten._to_copy seen copies.
 
 TOP = "(top)"  # the section of ops issued outside any `section()`
+# The torch.library namespace of the device ops: one of its ops is one device kernel, checked at its boundary
+# only (its CPU emulation stands in for the kernel; the dispatcher hides the ops inside it from the modes).
+DEVICE_OP_NAMESPACE = "dsv4gen"
 HOST_SYNC = "the host waits for the device queue and graph capture breaks; 310P is launch-bound, PORTING-LESSONS §C"
 DATA_DEPENDENT = "L12: shape depends on values, a dynamic-shape AI-CPU op; use where(m, a, b), masked_fill, topk"
 # aten ops that hand a device value to the host (torch's data_dependent_output tag, plus the bool results).
@@ -96,10 +98,12 @@ def rules_from_profile(profile) -> GuardRules:
 
 
 def _where() -> str:
-    # Module names, not paths, decide what to skip: robust to symlinks and editable installs.
+    # Module names, not paths, decide what to skip: robust to symlinks and editable installs. A module
+    # that only forwards calls (the registered device ops' entry points) says so with GUARD_TRANSPARENT.
     f = sys._getframe(1)
     while f.f_back is not None and (f.f_globals.get("__name__", "").partition(".")[0] == "torch"
-                                    or f.f_globals.get("__name__") in (__name__, "contextlib")):
+                                    or f.f_globals.get("__name__") in (__name__, "contextlib")
+                                    or f.f_globals.get("GUARD_TRANSPARENT", False)):
         f = f.f_back
     path = f.f_code.co_filename
     return f"{path[len(_REPO):] if path.startswith(_REPO) else path}:{f.f_lineno} in {f.f_code.co_name}"
@@ -201,6 +205,8 @@ class CapabilityGuard:
             self._flag("forbidden", op, why, "is forbidden")
 
     def _on_aten(self, func, args, kwargs):
+        if func.namespace == DEVICE_OP_NAMESPACE:
+            return self._device_op(func, args, kwargs)
         op, packet = str(func), func.overloadpacket.__name__
         self._forbidden(op, op, f"{func.namespace}.{packet}", packet)
         if packet in HOST_SYNC_OPS:
@@ -213,6 +219,19 @@ class CapabilityGuard:
         out = func(*args, **kwargs)
         if not bad_input:  # creation ops and casts: zeros(dtype=bf16), _to_copy
             self._check_dtypes(op, out, "returns")
+        return out
+
+    def _device_op(self, func, args, kwargs):
+        """A registered device op: one launch of its name, checked at its boundary (dtypes in and out)."""
+        name = func.overloadpacket.__name__
+        bad_input = self._enter_device_op(name, args, kwargs)
+        self._quiet += 1     # the Python-level syncs of its CPU emulation are not the device's
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._quiet -= 1
+        if not bad_input:
+            self._check_dtypes(f"device op {name}", out, "returns")
         return out
 
     def _enter_device_op(self, name: str, args, kwargs) -> bool:
@@ -271,29 +290,3 @@ def section(name: str):
 def allow(reason: str):
     """Whitelist a region in every active guard (recorded in each report); free without one."""
     return _in_every_guard("allow", reason)
-
-
-def device_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a device-op shim: under a guard it is ONE launch of `name`, checked only at its boundary;
-    its CPU emulation stands in for the device kernel and is neither inspected nor counted."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def launch(*args, **kwargs):
-            if not torch._C._len_torch_dispatch_stack():  # no mode at all, so no guard: the cheap check
-                return fn(*args, **kwargs)
-            guards = [g for g in active_guards() if not g._quiet]  # a quiet guard is inside an enclosing kernel
-            flagged = [g._enter_device_op(name, args, kwargs) for g in guards]
-            for g in guards:
-                g._quiet += 1
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                for g in guards:
-                    g._quiet -= 1
-            for g, bad_input in zip(guards, flagged):
-                if not bad_input:
-                    g._check_dtypes(f"device op {name}", out, "returns")
-            return out
-        launch.device_op = name
-        return launch
-    return wrap

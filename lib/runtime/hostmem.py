@@ -19,11 +19,19 @@ when it loads, so it must be set before torch is imported.
 
 Process-wide, so only the command-line entry points call it (the server, `dsv4gen`), never a
 library import. A no-op where the C library is not glibc.
+
+The decode-state pools are the other way round: long-lived, sized by the context, and written a
+block at a time. `mapped_zeros` gives each its own anonymous mapping instead of a place in that
+heap, as a device allocates its KV cache apart from its activations: the kernel hands out zero
+pages as rows are first written, so resident memory follows the state actually held, and the
+heap's layout (where a chunk's temporaries fit) is the same whatever the pools' sizes.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
 import os
 import sys
 
@@ -47,3 +55,15 @@ def keep_freed_memory() -> bool:
         return False
     took = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BELOW))
     return took and not late
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype, device=None):
+    """A zero tensor of `shape` in an anonymous mapping of its own on the host (pages resident
+    once written; unmapped when the tensor goes), or torch.zeros on any other device."""
+    import torch
+
+    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if size == 0 or (device is not None and torch.device(device).type != "cpu"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # the tensor's storage keeps the mapping alive (torch.frombuffer holds the buffer object)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)

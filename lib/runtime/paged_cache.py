@@ -19,6 +19,7 @@ from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSit
 from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools, LayerPools
 from lib.runtime.block_allocator import BlockAllocator
+from lib.runtime.hostmem import mapped_zeros
 from lib.runtime.state_pools import entry_ratios, group_blocks, pool_shapes
 
 
@@ -59,7 +60,7 @@ class PagedCache:
         self._slots = BlockAllocator(max_seqs)
         self._seqs: dict[object, _Seq] = {}
         self.device = device
-        tensors = {(s.owner, s.item): torch.zeros(s.shape, dtype=s.dtype, device=device) for s in self.shapes}
+        tensors = {(s.owner, s.item): mapped_zeros(s.shape, s.dtype, device) for s in self.shapes}
         self._layer_infos = tuple(model.layers)
         self.layers = tuple(_layer_pools(tensors, f"layer{layer.index}", layer.ratio) for layer in model.layers)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)

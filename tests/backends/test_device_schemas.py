@@ -14,7 +14,7 @@ import backends.ascend310p.device_ops as p310
 import backends.ascend910.device_ops as p910
 import backends.hip936.device_ops as hip
 from lib.emulation import npu_ops as emu
-from lib.porting.op_schemas import (NO_DEFAULT, SchemaParseError, check_signature, int_mm_schema, load_schemas,
+from lib.torch_ops.schemas import (NO_DEFAULT, SchemaParseError, check_signature, int_mm_schema, load_schemas,
                                     parse_schema, parse_schema_file)
 
 SCHEMAS = load_schemas()
@@ -49,6 +49,19 @@ def test_every_recorded_schema_line_parses():
     assert SCHEMAS["npu_moe_token_unpermute"].returns[0].type.text == "Tensor"  # the later (public) duplicate
     act = [p for s in parsed for p in s.params if p.type.text == "str?" and p.default == "None"]
     assert act, "a quoted 'None' default must stay the string, not become None"
+
+
+def test_vllm_ascend_dsv4_schemas_parse_and_say_where_they_come_from():
+    from lib.torch_ops.schemas import VLLM_ASCEND_FILE, provenance
+    fused = load_schemas(VLLM_ASCEND_FILE)
+    assert {"npu_hc_pre_v2", "npu_hc_post", "compressor", "compressor_metadata", "npu_sparse_attn_sharedkv",
+            "npu_vllm_quant_lightning_indexer", "moe_gating_top_k_hash", "inplace_partial_rotary_mul",
+            "npu_rms_norm_dynamic_quant"} <= set(fused)
+    hc = fused["npu_hc_pre_v2"]
+    assert [p.name for p in hc.params] == ["x", "hc_fn", "hc_scale", "hc_base", "hc_mult", "hc_sinkhorn_iters",
+                                           "norm_eps", "hc_eps"] and len(hc.returns) == 3
+    assert fused["compressor"].params[3].type.mutable                # the state cache is written in place
+    assert any(re.search(r"commit [0-9a-f]{40}", line) for line in provenance(VLLM_ASCEND_FILE))
 
 
 @pytest.mark.parametrize("line, piece", [
@@ -123,14 +136,14 @@ def test_real_stack_gets_every_argument_in_schema_form(module, op, monkeypatch):
     schema, vals = SCHEMAS[op], _sentinels(SCHEMAS[op])
     pos = [vals[p.name] for p in schema.params if not p.kwarg_only]
     kw = {p.name: vals[p.name] for p in schema.params if p.kwarg_only}
-    assert getattr(module, op)(*pos, **kw) == "real"
+    assert getattr(module, op).kernel(*pos, **kw) == "real"       # the registered op's kernel, called directly
     assert calls == [(op, tuple(pos), kw)]
 
 
 def test_hip_real_stack_calls_torch_int_mm(monkeypatch):
     monkeypatch.setattr(hip, "real_gfx936", lambda: True)
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: ("real", a, b))
-    assert hip._int_mm("a", "b") == ("real", "a", "b")  # no emulated checks on the real stack
+    assert hip._int_mm.kernel("a", "b") == ("real", "a", "b")  # no emulated checks on the real stack
 
 
 def test_no_real_stack_here():

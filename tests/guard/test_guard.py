@@ -1,5 +1,6 @@
 """The capability guard (lib/guard/capability.py) on CPU: refusals with op, reason and source line, count mode,
-launch counting per section, opaque device ops, allow(), and the torch dispatch facts it relies on."""
+launch counting per section, opaque device ops (registered torch ops: test ones under the overload "test"),
+allow(), and the torch dispatch facts it relies on."""
 import sys
 
 import numpy as np
@@ -7,8 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lib.guard.capability import (TOP, CapabilityGuard, Counts, GuardRules, GuardViolation, allow, device_op,
-                       rules_from_profile, section)
+from lib.guard.capability import (TOP, CapabilityGuard, Counts, GuardRules, GuardViolation, allow,
+                                  rules_from_profile, section)
+from lib.torch_ops.registry import device_op
 
 BF16 = "no BF16 Cast/RmsNorm/index_copy_ (L02)"
 P310 = GuardRules("p310", {torch.bfloat16: BF16, torch.float8_e4m3fn: "no FP8 execution (L01)"},
@@ -168,14 +170,14 @@ def test_syncs_are_counted_per_section():
     assert g.report().sections["sampler"] == Counts(1, 3, {"aten.sum.default": 1})
 
 
-@device_op("npu_fake")
+@device_op("test", "npu_fake(Tensor x) -> Tensor", fake=lambda x: torch.empty_like(x))
 def _fake_kernel(x):
     """CPU emulation full of things the device guard would refuse; the real device runs one kernel."""
     assert x.abs().sum().item() >= 0 and bool(torch.nonzero(x).numel() >= 0)
     return (x.to(torch.bfloat16) * 2).to(x.dtype)
 
 
-@device_op("npu_outer")
+@device_op("test", "npu_outer(Tensor x) -> Tensor", fake=lambda x: torch.empty_like(x))
 def _outer_kernel(x):
     return _fake_kernel(x) + 1
 

@@ -13,7 +13,7 @@ from codegen.lower import Rewrite
 from lib.porting.rendering import rendered
 from lib.quant.reference_formats import resolve
 from lib.guard.capability import CapabilityGuard, GuardViolation, rules_from_profile
-from lib.porting.op_schemas import check_signature, load_schemas
+from lib.torch_ops.schemas import check_signature, load_schemas
 from spec.graph import load_graph
 from spec.profile import backend_names, load_profile
 from spec.tables import SPEC_DIR

@@ -21,6 +21,10 @@ from lib.records.batch import Batch
 # past the sequence's masked: the same shapes at 4K as at 256K, so the peak memory of a step is
 # the same too (a first block that grew up to 256 entries, 32K positions, grew the peak with it).
 HCA_BLOCK = 256
+# Query rows attended at a time: a 512-token chunk's [T, W + k, D] fp64 keys were 48 MiB in one
+# tensor, and tensors that large kept finding no free hole in the heap the chunk before left, so
+# the heap grew over a long prefill; 64 rows hold 6 MiB.
+QUERY_TILE = 64
 
 
 def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Tensor, *,
@@ -35,22 +39,25 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: tor
     return indexer.select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
 
 
-def window_keys(kv: torch.Tensor, batch: Batch, pool: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's window slots: keys [T, W, D] (slot k holds position t-W+1+k) and which exist [T, W]."""
+def window_keys(kv: torch.Tensor, batch: Batch, pool: torch.Tensor, window: int,
+                rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window slots of query rows `rows`: keys [t, W, D] (slot k holds position t-W+1+k) and
+    which exist [t, W]."""
     addr = batch.state
-    pos = batch.positions[:, None] - window + 1 + torch.arange(window)                  # [T, W]
-    src = addr.sources(addr.row_seq[:, None].expand_as(pos), pos, pool.shape[1])
+    pos = batch.positions[rows, None] - window + 1 + torch.arange(window)              # [t, W]
+    src = addr.sources(addr.row_seq[rows, None].expand_as(pos), pos, pool.shape[1])
     keys = torch.cat((pool.view(-1, pool.shape[-1]).to(kv.dtype), kv))[src]
     return keys, pos >= 0
 
 
-def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tensor:
-    """Entries ids [n] for every query: [n, D] shared when the batch is one sequence (a shape fact),
-    else [T, n, D] through each query's block table."""
-    t, n = addr.row_seq.shape[0], ids.shape[0]
+def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Entries ids [n] for query rows `rows`: [n, D] shared when the batch is one sequence (a shape
+    fact), else [t, n, D] through each query's block table."""
+    seq = addr.row_seq[rows]
+    t, n = seq.shape[0], ids.shape[0]
     if addr.seq_slot.shape[0] == 1:
         return entries[addr.entry_rows(ratio, torch.zeros_like(ids), ids)]
-    return entries[addr.entry_rows(ratio, addr.row_seq[:, None].expand(t, n).reshape(-1), ids.repeat(t))].view(t, n, -1)
+    return entries[addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.repeat(t))].view(t, n, -1)
 
 
 def store_window(kv: torch.Tensor, batch: Batch, pool: torch.Tensor) -> torch.Tensor:
@@ -68,27 +75,36 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: t
     q [T, H, D] and kv [T, D] with RoPE applied; windows: the window ring pool; entries: the
     compressor's entry pool (None for sliding layers); selection [T, k] from `index_select`
     (CSA) or None (HCA: every complete entry, a block at a time with a running softmax, so a
-    prefill chunk holds [T, H, block] logits whatever the context length)."""
+    prefill chunk holds [T, H, block] logits whatever the context length). Queries are attended
+    QUERY_TILE rows at a time: each row's result is its own (see the module docstring), and a
+    chunk's fp64 keys and logits stay a few MiB instead of [T, W + k, D]."""
+    tiles = [_attend(q, kv, batch, windows, entries, selection, sink, slice(lo, lo + QUERY_TILE), window=window,
+                     ratio=ratio) for lo in range(0, q.shape[0], QUERY_TILE)]
+    return (tiles[0] if len(tiles) == 1 else torch.cat(tiles)), store_window(kv, batch, windows)
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: torch.Tensor, entries: torch.Tensor | None,
+            selection: torch.Tensor | None, sink: torch.Tensor, rows: slice, *, window: int, ratio: int) -> torch.Tensor:
+    """`sparse_attention` of query rows `rows` -> o [t, H, D] fp32 (the pools are only read)."""
     addr, d = batch.state, q.shape[-1]
-    seq = addr.row_seq
-    keys, mask = window_keys(kv, batch, windows, window)
+    keys, mask = window_keys(kv, batch, windows, window, rows)
     keys = keys.double()
+    limit = (batch.positions[rows] + 1) // ratio if ratio else None
     if entries is not None and selection is not None:                   # CSA: the selected rows only
-        limit = (batch.positions + 1) // ratio
-        rows = addr.entry_rows(ratio, seq[:, None].expand_as(selection).reshape(-1), selection.reshape(-1))
-        keys = torch.cat((keys, entries[rows].view(*selection.shape, -1).double()), dim=1)   # [T, W + k, D]
-        mask = torch.cat((mask, (selection >= 0) & (selection < limit[:, None])), dim=1)
-    qd, scale = q.double(), d ** -0.5
+        chosen = selection[rows]
+        picked = addr.entry_rows(ratio, addr.row_seq[rows, None].expand_as(chosen).reshape(-1), chosen.reshape(-1))
+        keys = torch.cat((keys, entries[picked].view(*chosen.shape, -1).double()), dim=1)   # [t, W + k, D]
+        mask = torch.cat((mask, (chosen >= 0) & (chosen < limit[:, None])), dim=1)
+    qd, scale = q[rows].double(), d ** -0.5
     logits = torch.where(mask[:, None, :], torch.einsum("thd,tkd->thk", qd, keys) * scale, float("-inf"))
     sink = sink.double()[None, :, None]                                          # [1, H, 1]
-    top = torch.maximum(logits.amax(-1, keepdim=True), sink)                    # [T, H, 1]
+    top = torch.maximum(logits.amax(-1, keepdim=True), sink)                    # [t, H, 1]
     e = torch.exp(logits - top)
     total, acc = e.sum(-1, keepdim=True), torch.einsum("thk,tkd->thd", e, keys)
     if entries is not None and selection is None:                       # HCA: every complete entry
-        limit = (batch.positions + 1) // ratio
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
             ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64)                # full width, masked
-            block = _entries(addr, entries, ratio, ids).double()                        # [n, D] or [T, n, D]
+            block = _entries(addr, entries, ratio, ids, rows).double()                  # [n, D] or [t, n, D]
             spec = ("thd,kd->thk", "thk,kd->thd") if block.dim() == 2 else ("thd,tkd->thk", "thk,tkd->thd")
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],
                              torch.einsum(spec[0], qd, block) * scale, float("-inf"))
@@ -97,8 +113,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: t
             total = total * shrink + e.sum(-1, keepdim=True)
             acc = acc * shrink + torch.einsum(spec[1], e, block)
             top = new_top
-    o = acc / (total + torch.exp(sink - top))
-    return o.float(), store_window(kv, batch, windows)
+    return (acc / (total + torch.exp(sink - top))).float()
 
 
 def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_FILE = Path(__file__).resolve().parents[2] / "data" / "torch_npu-2.14.0-npu-op-schemas.txt"
+DATA = Path(__file__).resolve().parents[2] / "data"
+SCHEMA_FILE = DATA / "torch_npu-2.14.0-npu-op-schemas.txt"
+# vllm-ascend's DeepSeek-V4 custom ops (torch.ops._C_ascend), with the commit they were read from in its header
+VLLM_ASCEND_FILE = DATA / "vllm_ascend-dsv4-op-schemas.txt"
 
 
 class _NoDefault:
@@ -181,10 +184,16 @@ def parse_schema(line: str, source: str = "<schema>") -> Schema:
 
 
 def parse_schema_file(path: str | Path = SCHEMA_FILE) -> list[Schema]:
-    """Every schema line of the file, in file order (duplicated names included)."""
+    """Every schema line of the file, in file order (duplicated names included); `#` lines are provenance."""
     path = Path(path)
     lines = path.read_text(encoding="utf-8").splitlines()
-    return [parse_schema(line, f"{path.name}:{i}") for i, line in enumerate(lines, 1) if line.strip()]
+    return [parse_schema(line, f"{path.name}:{i}") for i, line in enumerate(lines, 1)
+            if line.strip() and not line.startswith("#")]
+
+
+def provenance(path: str | Path) -> list[str]:
+    """The `#` lines of a schema file (where and from which version its schemas were read)."""
+    return [line[1:].strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.startswith("#")]
 
 
 def load_schemas(path: str | Path = SCHEMA_FILE) -> dict[str, Schema]:

@@ -1,0 +1,87 @@
+"""Fake (meta) kernels of the device ops: each output's shape and dtype from the inputs' alone,
+as the emulation (lib/emulation/npu_ops.py) and the device produce them, without touching data.
+
+torch calls these under FakeTensorMode and on meta tensors (torch.export, graph capture, the
+planner's meta-device pools); tests/backends/test_registered_ops.py checks every one against its
+CPU kernel on the inputs a real decode step passes. Arguments come as the op's schema names them
+(positional ones by position, keyword-only ones by name); those a shape does not depend on are
+taken as **unused.
+"""
+from __future__ import annotations
+
+import torch
+
+from lib.emulation.npu_ops import F16, F32, I8, I32, I64, as_dtype, chip
+
+PACK = 8            # int4 values per int32 (npu_ops.pack_int4)
+
+
+def _unpacked_last(t: torch.Tensor) -> int:
+    return t.shape[-1] * PACK if t.dtype == I32 else t.shape[-1]
+
+
+def npu_quant_matmul(x1, x2, scale, *, output_dtype=None, **unused):
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    out = as_dtype(output_dtype, "npu_quant_matmul") or I8
+    return x1.new_empty((*batch, x1.shape[-2], _unpacked_last(x2)), dtype=out)
+
+
+def npu_quant_matmul_dequant(x, quantized_weight, weight_scale, **unused):
+    return x.new_empty((x.shape[0], quantized_weight.shape[-2]), dtype=F16)
+
+
+def npu_quant_grouped_matmul_dequant(x, quantized_weight, weight_scale, group_list, **unused):
+    return x.new_empty((x.shape[0], quantized_weight.shape[-2]), dtype=F16)
+
+
+def npu_grouped_matmul(x, weight, *, output_dtype=None, **unused):
+    xt, w = x[0], weight[0]
+    default = I8 if xt.dtype == I8 else xt.dtype
+    out = as_dtype(output_dtype, "npu_grouped_matmul") or default
+    return [xt.new_empty((xt.shape[0], _unpacked_last(w)), dtype=out)]
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, active_num=-1, expert_num=-1, quant_mode=-1, active_expert_range=(),
+                            soc: str, **unused):
+    pairs = expert_idx.shape[0] * expert_idx.shape[1]
+    rows = pairs if active_num <= 0 else min(active_num, pairs)
+    honour = chip(soc).routing_honours_range and len(active_expert_range) > 0     # L06: 310P ignores the range
+    experts = active_expert_range[1] - active_expert_range[0] if honour else expert_num
+    return (x.new_empty((rows, x.shape[1]), dtype=x.dtype if quant_mode == -1 else I8),
+            x.new_empty((pairs,), dtype=I32), x.new_empty((experts,), dtype=I64), x.new_empty((rows,), dtype=F32))
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, **unused):
+    k = 1 if probs is None else probs.shape[1]
+    return permuted_tokens.new_empty((sorted_indices.shape[0] // k, permuted_tokens.shape[1]))
+
+
+def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
+    g = gamma.dim()
+    return torch.empty_like(input), input.new_empty((*input.shape[:input.dim() - g], *[1] * g), dtype=F32)
+
+
+def npu_scatter_nd_update_(input, indices, updates):  # noqa: A002 - the schema's name
+    return input                                        # in place: the schema's Tensor(a!) is its input
+
+
+def npu_dynamic_quant(input, *, dst_type=None, quant_mode="pertoken", **unused):  # noqa: A002
+    packed = (as_dtype(dst_type, "npu_dynamic_quant") or I8) != I8
+    q = input.new_empty((*input.shape[:-1], input.shape[-1] // PACK if packed else input.shape[-1]),
+                        dtype=I32 if packed else I8)
+    shape = {"pertoken": input.shape[:-1], "pertensor": (1,), "perchannel": (input.shape[-1],)}[quant_mode]
+    return q, input.new_empty(shape, dtype=F32)
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002 - the schema's name
+    return torch.empty_like(input)
+
+
+def _int_mm(self, mat2):
+    return self.new_empty((self.shape[0], mat2.shape[1]), dtype=I32)
+
+
+FAKES = {f.__name__: f for f in (npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+                                 npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
+                                 npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm)}
+NEEDS_SOC = frozenset({"npu_moe_init_routing_v2"})     # fakes whose shapes follow a chip quirk

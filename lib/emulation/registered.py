@@ -1,0 +1,31 @@
+"""`@device_op(name, chip)`: a device module's shim registered as the torch op `dsv4gen::<name>.<chip>`
+with the recorded schema of `name` (torch_npu 2.14.0's, or the installed torch's for `_int_mm`) and
+its fake kernel (lib/emulation/op_fakes.py). The schema comes from the record, never from the
+Python signature, so a shim whose signature drifts from it fails when torch binds its arguments.
+"""
+from __future__ import annotations
+
+import functools
+
+from lib.emulation import op_fakes
+from lib.torch_ops import registry
+from lib.torch_ops.schemas import int_mm_schema, load_schemas
+
+
+@functools.lru_cache(maxsize=1)
+def _schemas() -> dict:
+    return load_schemas()
+
+
+def schema_of(name: str):
+    """The recorded schema a device op is registered with."""
+    return int_mm_schema() if name == "_int_mm" else _schemas()[name]
+
+
+def device_op(name: str, chip: str, soc: str | None = None):
+    """Register the decorated shim as `name` on `chip` (a backend name); `soc`: the emulation's chip,
+    for the fakes whose output shapes follow one of its quirks."""
+    fake = op_fakes.FAKES[name]
+    if name in op_fakes.NEEDS_SOC:
+        fake = functools.partial(fake, soc=soc)
+    return registry.device_op(chip, schema_of(name).text, fake)
