@@ -43,7 +43,7 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     last row sums to one, so dividing it changes nothing. A column step is the same along the
     other axis. Same equations as the reference (DSV4-REFERENCE §3.4); the sums differ from
     sum-then-add-eps by fp32 rounding order only."""
-    t, n = comb.shape[0], comb.shape[-1]
+    n = comb.shape[-1]
     frame = torch.nn.functional.pad(comb, (0, 1, 0, 1), value=eps)
     frame[:, n, n] = 1.0 - n * eps
     inner_rows, inner_cols = frame[:, :, :n], frame[:, :n, :]

@@ -38,12 +38,13 @@ def _int_mm(self, mat2):
     return torch._int_mm(self, mat2) if hasattr(torch, "_int_mm") else emu.int_matmul(self, mat2)
 
 
-def pad_rows_to(x: torch.Tensor, rows: int = INT_MM_MIN_ROWS) -> torch.Tensor:
+def pad_rows_to(x: torch.Tensor, rows: int = INT_MM_MIN_ROWS, *, always: bool = False) -> torch.Tensor:
     """x [M, K] -> [max(M, rows), K] with zero rows appended (L28); `_int_mm(pad_rows_to(x), w)[:M]` is the
-    unpadded product, because zero rows produce zero rows and touch nothing else."""
-    if x.shape[0] >= rows:
+    unpadded product, because zero rows produce zero rows and touch nothing else. `always`: append (no
+    rows, when M >= rows) even so, so the launches do not depend on M."""
+    if x.shape[0] >= rows and not always:
         return x
-    return torch.cat((x, x.new_zeros(rows - x.shape[0], *x.shape[1:])))
+    return torch.cat((x, x.new_zeros(max(0, rows - x.shape[0]), *x.shape[1:])))
 
 
 def _check_int_mm(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -74,8 +74,7 @@ def _pair_matmul(xq, xs, w) -> torch.Tensor:
     always padded (by zero rows when there are 17 or more already), so the launches do not depend
     on how many pairs a step has."""
     p, n, k = w.qweight.shape
-    rows = torch.cat((xq, xq.new_zeros(max(0, device.INT_MM_MIN_ROWS - p), k)))        # L28: M > 16
-    acc = device._int_mm(rows, w.qweight.reshape(p * n, k).t().contiguous())[:p]                   # [P, P*N]
+    acc = device._int_mm(device.pad_rows_to(xq, always=True), w.qweight.reshape(p * n, k).t().contiguous())[:p]  # [P, P*N]
     own = torch.diagonal(acc.view(p, p, n), dim1=0, dim2=1).t()                                     # [P, N]
     return own.float() * xs[:, None] * w.scale
 

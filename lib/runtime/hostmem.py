@@ -62,7 +62,7 @@ def mapped_zeros(shape: tuple[int, ...], dtype, device=None):
     once written; unmapped when the tensor goes), or torch.zeros on any other device."""
     import torch
 
-    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if size == 0 or (device is not None and torch.device(device).type != "cpu"):
         return torch.zeros(shape, dtype=dtype, device=device)
     # the tensor's storage keeps the mapping alive (torch.frombuffer holds the buffer object)

@@ -31,7 +31,7 @@ def qualified(name: str, chip: str) -> str:
 
 
 def registered() -> dict[str, Callable]:
-    """Every op registered so far: "name.chip" -> its entry point (with `.op`, `.schema_text`)."""
+    """Every op registered so far: "name.chip" -> its entry point (with `.op`, `.kernel`)."""
     return dict(_REGISTERED)
 
 
@@ -56,7 +56,7 @@ def device_op(chip: str, schema_text: str, fake: Callable) -> Callable[[Callable
         def call(*args, **kwargs):
             return op(*args, **kwargs)
 
-        call.op, call.kernel, call.device_op, call.schema_text = op, kernel, name, schema_text
+        call.op, call.kernel, call.device_op = op, kernel, name
         _REGISTERED[key] = call
         return call
     return wrap

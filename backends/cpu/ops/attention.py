@@ -39,15 +39,14 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: tor
     return indexer.select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
 
 
-def window_keys(kv: torch.Tensor, batch: Batch, pool: torch.Tensor, window: int,
+def window_keys(sources: torch.Tensor, batch: Batch, ring: int, window: int,
                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
     """The window slots of query rows `rows`: keys [t, W, D] (slot k holds position t-W+1+k) and
-    which exist [t, W]."""
+    which exist [t, W]; `sources`: the ring pool flat and this step's rows after it (Addressing.sources)."""
     addr = batch.state
     pos = batch.positions[rows, None] - window + 1 + torch.arange(window)              # [t, W]
-    src = addr.sources(addr.row_seq[rows, None].expand_as(pos), pos, pool.shape[1])
-    keys = torch.cat((pool.view(-1, pool.shape[-1]).to(kv.dtype), kv))[src]
-    return keys, pos >= 0
+    src = addr.sources(addr.row_seq[rows, None].expand_as(pos), pos, ring)
+    return sources[src], pos >= 0
 
 
 def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -78,16 +77,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: t
     prefill chunk holds [T, H, block] logits whatever the context length). Queries are attended
     QUERY_TILE rows at a time: each row's result is its own (see the module docstring), and a
     chunk's fp64 keys and logits stay a few MiB instead of [T, W + k, D]."""
-    tiles = [_attend(q, kv, batch, windows, entries, selection, sink, slice(lo, lo + QUERY_TILE), window=window,
-                     ratio=ratio) for lo in range(0, q.shape[0], QUERY_TILE)]
+    sources = torch.cat((windows.view(-1, windows.shape[-1]).to(kv.dtype), kv))
+    tiles = [_attend(q, sources, batch, windows.shape[1], entries, selection, sink, slice(lo, lo + QUERY_TILE),
+                     window=window, ratio=ratio) for lo in range(0, q.shape[0], QUERY_TILE)]
     return (tiles[0] if len(tiles) == 1 else torch.cat(tiles)), store_window(kv, batch, windows)
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, batch: Batch, windows: torch.Tensor, entries: torch.Tensor | None,
+def _attend(q: torch.Tensor, sources: torch.Tensor, batch: Batch, ring: int, entries: torch.Tensor | None,
             selection: torch.Tensor | None, sink: torch.Tensor, rows: slice, *, window: int, ratio: int) -> torch.Tensor:
     """`sparse_attention` of query rows `rows` -> o [t, H, D] fp32 (the pools are only read)."""
     addr, d = batch.state, q.shape[-1]
-    keys, mask = window_keys(kv, batch, windows, window, rows)
+    keys, mask = window_keys(sources, batch, ring, window, rows)
     keys = keys.double()
     limit = (batch.positions[rows] + 1) // ratio if ratio else None
     if entries is not None and selection is not None:                   # CSA: the selected rows only
