@@ -16,10 +16,9 @@ from lib.records.batch import Batch
 
 # Entries scored per block: the [T, block, Di] keys and [T, Hi, block] products of a block stay
 # within INDEX_TILE_BYTES (a prefill chunk takes fewer entries per block than a decode batch), and
-# the running top-k sorts k + block candidates per query. 16 MiB: a 512-token chunk's fp64
-# products were 6.4 MiB per block at 32 MiB, and each block beyond the heap's holes grew it (the
-# peak resident memory of a 64K prefill: 408 MiB at 32 MiB, 392 at 16, 395 at 8, where the longer
-# sorts of narrower blocks made the prefill 1.6x slower; 16 costs 1.1x).
+# the running top-k sorts k + block candidates per query. 16 MiB: at 32 MiB a 512-token chunk's
+# fp64 products are 6.4 MiB per block, and such blocks kept missing the holes the chunk before left
+# in the host heap, which grew over a long prefill; narrower blocks cost longer sorts per entry.
 INDEX_TILE_BYTES = 1 << 24
 INDEX_MIN_BLOCK, INDEX_MAX_BLOCK = 16, 1024
 # Every block, the last included, is as wide as the others (entries past the sequence's are masked), so
