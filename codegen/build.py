@@ -15,10 +15,13 @@ from pathlib import Path
 import jinja2
 
 from codegen.lower import Rewrite, lower
+from spec.config import RankConfig
+from spec.fused import describe, unmet
 from spec.graph import GRAPH_PATH, load_graph
 from spec.profile import load_profile, load_runtime_formats, profile_path
 from spec.state import as_python, load_state
 from spec.tables import SPEC_DIR, load_tensor_table
+from spec.variants import variant_config, variants
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SPEC_FILES = (GRAPH_PATH, SPEC_DIR / "tensors.yaml", SPEC_DIR / "quant.yaml", SPEC_DIR / "runtime.yaml",
@@ -35,7 +38,9 @@ def codegen_files() -> list[Path]:
 
 def spec_hash(backend: str, spec_dir: Path = SPEC_DIR) -> str:
     h = hashlib.sha256()
-    sources = (*(Path(spec_dir) / f.name for f in SPEC_FILES), profile_path(backend), *codegen_files())
+    # the model variants too: PLAN.md says which fused kernels each one's shapes choose
+    models = sorted((Path(spec_dir) / "models").glob("*.yaml"))
+    sources = (*(Path(spec_dir) / f.name for f in SPEC_FILES), *models, profile_path(backend), *codegen_files())
     for path in sources:
         name = path.relative_to(CODEGEN_DIR.parent) if path.is_relative_to(CODEGEN_DIR) else Path(path.name)
         h.update(name.as_posix().encode() + b"\0" + path.read_bytes())
@@ -86,6 +91,8 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "record": bool(rewrite.record_ops) or rewrite.record_dispatch,
         "record_dispatch": rewrite.record_dispatch,
         "timed": bool(rewrite.time_ops),
+        "fused": _fused_rows(profile),
+        "fused_limits": {name: [_limit_line(lim) for lim in k.limits.values()] for name, k in profile.fused.items()},
     }
     env = _env()
     return {
@@ -94,6 +101,28 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "loader.py": env.get_template("loader.py.j2").render(ctx),
         "PLAN.md": env.get_template("plan.md.j2").render(ctx),
     }
+
+
+def _limit_line(limit) -> str:
+    """One fused-kernel limit as a FusedLimit(...) expression of the generated package."""
+    fields = {"key": limit.key, "reason": limit.reason, "source": limit.source}
+    fields |= {k: getattr(limit, k) for k in ("one_of", "max", "multiple_of", "width")
+               if getattr(limit, k) not in ((), None, False)}
+    return "FusedLimit(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+
+def _fused_rows(profile) -> list[dict]:
+    """Per fused kernel: its limits and, for every model variant of the spec (one rank), whether
+    its shapes choose the kernel and, if not, the limits they fail."""
+    rows = []
+    for name, kernel in profile.fused.items():
+        per_variant = []
+        for variant in variants():
+            failed = unmet(kernel.limits.values(), RankConfig.of(variant_config(variant)))
+            per_variant.append((variant, "fused" if not failed else "composite: " + "; ".join(failed)))
+        rows.append({"name": name, "kernel": kernel, "ops": ", ".join(f"`{op}`" for op in kernel.ops),
+                     "limits": [(describe(lim), lim) for lim in kernel.limits.values()], "variants": per_variant})
+    return rows
 
 
 def _state_line(d) -> str:

@@ -37,12 +37,14 @@ class OpUse(NamedTuple):
     reason: str
     device_ops: tuple[str, ...]
     lessons: tuple[str, ...]
+    kernel: str = ""       # the fused kernel (profile `fused`) this lowering belongs to, chosen by shape
 
 
 class Rewrite(NamedTuple):
     """Changes to one rendering of a backend, for a temporary generated package (conformance renders a
     catalogued field bug this way, the way the port's own code carried it); the checked-in output
-    never has one. `calls`: op -> "module:function" called instead of the profile's lowering;
+    never has one. `calls`: op -> "module:function" called instead of the profile's lowering
+    ("op@kernel": instead of the lowering of fused kernel `kernel`);
     `kwargs`: op -> {keyword: Python expression, or "module:function" for a function} set on (or
     added to) every call of the op."""
     calls: Mapping[str, str] = {}
@@ -125,10 +127,19 @@ class _Lowerer:
         return formats.pop()
 
     def impl(self, op: str, fmt: str | None = None) -> str:
+        """The function a step of `op` calls; where a fused kernel can replace the op, the choice
+        between the two, made by the kernel's name in the rank's config (chosen at load by shape)."""
         low = self.profile.lowering(op, fmt)
         ref = self.lg.graph.ops[op].reference if low.impl == "reference" else low.call
         self.ops[(op, fmt or "")] = OpUse(op, fmt or "", low.impl, ref, low.reason, low.device_ops, low.lessons)
-        return self.function(self.rewrite.calls.get(op, ref))
+        own = self.function(self.rewrite.calls.get(op, ref))
+        if (fused := self.profile.fused_of(op)) is None:
+            return own
+        kernel, flow = fused
+        self.ops[(op, f"~{kernel}")] = OpUse(op, "", flow.impl, flow.call, flow.reason, flow.device_ops,
+                                             flow.lessons, kernel)
+        fn = self.function(self.rewrite.calls.get(f"{op}@{kernel}", flow.call))
+        return f'({fn} if "{kernel}" in cfg.fused else {own})'
 
     def call(self, op: str, fmt: str | None = None, site: str = "") -> str:
         """What a step of `op` calls: its lowering, wrapped by the recorder in a recording render and

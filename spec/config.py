@@ -101,6 +101,9 @@ class RankConfig(ModelConfig, frozen=True, kw_only=True):
     ep_rank: int = 0
     tp_group: object = None       # torch.distributed ProcessGroup (None: no communication)
     ep_group: object = None
+    # the fused kernels of the backend profile this rank's shapes meet (spec/fused.py; chosen at load):
+    # the generated code calls a kernel's lowering of an op when its name is here, the op's own otherwise
+    fused: frozenset = frozenset()
 
     @classmethod
     def of(cls, cfg: ModelConfig, **rank) -> "RankConfig":

@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from spec import expr
+from spec.config import RankConfig
 from spec.hardware import Device, check_device
 from spec.graph import load_graph
 from spec.tables import SPEC_DIR, load_tensor_table
@@ -42,6 +43,31 @@ class OpLowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def single(self) -> Lowering:
         return Lowering(self.impl, self.reason, self.call, self.device_ops, self.lessons)
+
+
+class FusedLimit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One shape limit of a fused kernel, on a key of the rank's config (spec/config.py RankConfig):
+    its value must be one of `one_of`, at most `max`, and a multiple of `multiple_of` (those given).
+    `width`: a limit on a width only (a hidden size, a head count), which the emulation may relax
+    to run the fused path at tiny widths (lib/emulation/relaxed.py); no other limit is ever relaxed."""
+    key: str
+    reason: str
+    source: str
+    one_of: tuple[int, ...] = ()
+    max: int | None = None
+    multiple_of: int | None = None
+    width: bool = False
+
+
+class FusedKernel(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A fused kernel (or a pair of them) that replaces the lowering of `ops` wherever the checkpoint's
+    shapes meet every limit, chosen once per loaded model (RankConfig.fused); the ops' own lowerings
+    stay the fallback, so every shape still runs."""
+    doc: str
+    source: str
+    limits: dict[str, FusedLimit]
+    ops: dict[str, Lowering]
+    lessons: tuple[LessonId, ...] = ()
 
 
 class DTypes(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -107,6 +133,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache: CacheGeometry | None = None
     ops: dict[str, OpLowering] = {}
     device_ops: dict[str, DeviceOp] = {}    # native ops of the device stack, each in device_ops.py
+    fused: dict[str, FusedKernel] = {}      # fused kernels chosen by the checkpoint's shapes, by name
     forbidden_ops: dict[str, str] = {}      # aten ops the device must never see on a hot path -> why
     expert_modes: dict[str, str] = {}       # routed-expert mode -> runtime format of class routed_expert
     # required where a routed-expert format is converted when its layer runs (runtime.yaml `runs_as`)
@@ -130,6 +157,10 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                                 f"'{fmt}' (has: {', '.join(entry.by_format)})")
             return entry.by_format[fmt]
         return entry.single()
+
+    def fused_of(self, op: str) -> tuple[str, Lowering] | None:
+        """(kernel name, lowering) of the fused kernel that can replace `op`, if any."""
+        return next(((name, k.ops[op]) for name, k in self.fused.items() if op in k.ops), None)
 
     def runtime_format(self, tensor_class: str) -> str:
         return self.runtime_formats.classes.get(tensor_class, self.runtime_formats.default)
@@ -224,6 +255,7 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
                 if dev not in prof.device_ops:
                     raise SpecError(f"{where}: {what} launches device op '{dev}', which the profile's "
                                     f"device_ops does not list (accepted: {', '.join(prof.device_ops) or 'none'})")
+    _check_fused(prof, path, lines, ops)
     for mode, fmt in prof.expert_modes.items():
         if fmt not in runtime:
             raise SpecError(f"{path}:{lines[('expert_modes', mode)]}: expert mode '{mode}' names unknown runtime "
@@ -253,3 +285,30 @@ def _check_expert_conversion(prof: Profile, path: Path, lines: dict, runtime: di
         raise SpecError(f"{path}:{lines.get(('expert_conversion',), '?')}: 'expert_conversion' given, but no "
                         f"routed-expert format of this profile is converted at run time "
                         f"(formats: {', '.join(sorted(held))})")
+
+
+def _check_fused(prof: Profile, path: Path, lines: dict, ops: dict) -> None:
+    keys = {f.name for f in msgspec.structs.fields(RankConfig)}
+    seen: dict[str, str] = {}
+    for name, kernel in prof.fused.items():
+        where = f"{path}:{lines.get(('fused', name), '?')}: fused kernel '{name}'"
+        for lid, limit in kernel.limits.items():
+            if limit.key not in keys:
+                raise SpecError(f"{where}: limit '{lid}' reads unknown config key '{limit.key}' "
+                                f"(accepted: {', '.join(sorted(keys))})")
+            if not (limit.one_of or limit.max is not None or limit.multiple_of is not None):
+                raise SpecError(f"{where}: limit '{lid}' sets none of one_of, max, multiple_of")
+        for op, low in kernel.ops.items():
+            if op not in ops:
+                raise SpecError(f"{where}: unknown op '{op}' (accepted: {', '.join(sorted(ops))})")
+            if op in seen:
+                raise SpecError(f"{where}: op '{op}' is already replaced by fused kernel '{seen[op]}'")
+            if op in prof.ops and prof.ops[op].by_format:
+                raise SpecError(f"{where}: op '{op}' lowers by weight format; a fused kernel cannot replace it")
+            seen[op] = name
+            if low.impl == "reference" or low.call is None:
+                raise SpecError(f"{where}: op '{op}' needs a 'call' of a native or composite lowering")
+            for dev in low.device_ops:
+                if dev not in prof.device_ops:
+                    raise SpecError(f"{where}: op '{op}' launches device op '{dev}', which the profile's "
+                                    f"device_ops does not list (accepted: {', '.join(prof.device_ops) or 'none'})")

@@ -1,6 +1,8 @@
 """Ascend 910B / 910C (Atlas A2 / A3) device ops. Each function has exactly torch_npu 2.14.0's name and
-signature (data/torch_npu-2.14.0-npu-op-schemas.txt) and is the registered torch op dsv4gen::<op>.ascend910; it calls torch_npu when that imports and an NPU is
-present, else the CPU emulation (lib/emulation/npu_ops.py, soc "910b"; the 910-only ops live here).
+signature (data/torch_npu-2.14.0-npu-op-schemas.txt; vllm-ascend's DeepSeek-V4 custom ops in
+data/vllm_ascend-dsv4-op-schemas.txt) and is the registered torch op dsv4gen::<op>.ascend910; it calls
+torch_npu (or torch.ops._C_ascend) when that imports and an NPU is present, else the CPU emulation
+(lib/emulation/npu_ops.py, soc "910b", and lib/emulation/vllm_ascend_ops.py; the 910-only ops live here).
 Must not know the model, tensor names, the planner, or any other chip.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import npu_ops as emu
+from lib.emulation import vllm_ascend_ops as fused
 from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4
 from lib.emulation.registered import device_op
 
@@ -27,6 +30,9 @@ DEVICE_OPS = MappingProxyType({
     "npu_rms_norm": (),
     "npu_rotary_mul": (),
     "npu_scatter_nd_update_": (),
+    "npu_hc_pre_v2": ("L22",),
+    "npu_hc_post": ("L22",),
+    "moe_gating_top_k_hash": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -104,6 +110,33 @@ def npu_scatter_nd_update_(input, indices, updates):  # noqa: A002 - the schema'
     if (real := emu.real_npu_op("npu_scatter_nd_update_")) is not None:
         return emu.forward(real, locals())
     return emu.scatter_nd_update_(input, indices, updates, soc=SOC)
+
+
+@device_op("npu_hc_pre_v2", CHIP, SOC)
+def npu_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps):
+    """vllm-ascend's fused mHC pre (torch.ops._C_ascend): mixing, Sinkhorn and collapse in one kernel."""
+    if (real := fused.real_op("npu_hc_pre_v2")) is not None:
+        return emu.forward(real, locals())
+    return fused.hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps)
+
+
+@device_op("npu_hc_post", CHIP, SOC)
+def npu_hc_post(x, residual, post, comb):
+    """vllm-ascend's fused mHC post (torch.ops._C_ascend): the sub-layer output written back into the streams."""
+    if (real := fused.real_op("npu_hc_post")) is not None:
+        return emu.forward(real, locals())
+    return fused.hc_post(x, residual, post, comb)
+
+
+@device_op("moe_gating_top_k_hash", CHIP, SOC)
+def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                          routed_scaling_factor=1.0, eps=1e-20, group_select_mode=0, renorm=0, norm_type=0,
+                          out_flag=False):
+    """vllm-ascend's fused router (torch.ops._C_ascend): scores, top-k or hash lookup, renormalised weights."""
+    if (real := fused.real_op("moe_gating_top_k_hash")) is not None:
+        return emu.forward(real, locals())
+    return fused.moe_gating_top_k_hash(x, k, bias, input_ids, tid2eid, k_group, group_count, routed_scaling_factor,
+                                       eps, group_select_mode, renorm, norm_type, out_flag)
 
 
 def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max):

@@ -10,6 +10,7 @@ import torch
 
 from backends.ascend910 import device_ops as device
 from backends.common import hc, moe
+from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
 from lib.quant.runtime_formats import W4A8, W8A8
 
@@ -66,3 +67,43 @@ def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: Exp
                    zero_tail: bool = True):
     return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
                            gmm=_gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail)
+
+
+# ---- fused mHC (profile `fused: mhc`), chosen where hidden_size and hc_mult meet the kernels' limits ----
+def hc_expand_bf16(e, streams: int):
+    """The fused mHC kernels take and return bf16 streams: the state starts in bf16 (vllm-ascend's layout)."""
+    return e.to(DTYPE).unsqueeze(1).expand(-1, streams, -1).contiguous()
+
+
+def hc_pre_fused(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
+    """npu_hc_pre_v2: the mixing GEMM, pre / post / comb, the whole Sinkhorn and the collapse in one kernel."""
+    return device.npu_hc_pre_v2(x, fn, scale, base, x.shape[1], iters, norm_eps, hc_eps)
+
+
+def hc_post_fused(y, x, post, comb):
+    """npu_hc_post on the [1, T, ...] layout its callers give it: bf16 streams back. post / comb come fp32
+    from npu_hc_pre_v2 (the casts do nothing then: no launch); x is the bf16 stream state."""
+    out = device.npu_hc_post(y.to(DTYPE).unsqueeze(0), x.to(DTYPE).unsqueeze(0), post.float().unsqueeze(0),
+                             comb.float().unsqueeze(0))
+    return out.squeeze(0)
+
+
+# ---- fused routing (profile `fused: gating`): moe_gating_top_k_hash with sqrt(softplus) scores (norm_type 2) ----
+GATING = {"k_group": 1, "group_count": 1, "eps": 1e-20, "group_select_mode": 1, "renorm": 0, "norm_type": 2}
+
+
+def _router_logits(x, gate):
+    return matmul(x.float(), gate.float().t())          # [T, E] fp32: the gate is held fp32 (router class)
+
+
+def route_hash_fused(x, gate, tid2eid, tokens, route_scale: float):
+    """Hash layers: the kernel looks the experts up in tid2eid by token id and weights them (B07)."""
+    weights, ids, _ = device.moe_gating_top_k_hash(_router_logits(x, gate), tid2eid.shape[1], input_ids=tokens,
+                                                   tid2eid=tid2eid, routed_scaling_factor=route_scale, **GATING)
+    return weights, ids
+
+
+def route_learned_fused(x, gate, bias, topk: int, route_scale: float):
+    weights, ids, _ = device.moe_gating_top_k_hash(_router_logits(x, gate), topk, bias=bias.float(),
+                                                   routed_scaling_factor=route_scale, **GATING)
+    return weights, ids

@@ -10,15 +10,15 @@ import torch
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
          inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D]: rotate pairs (x[2i], x[2i+1]) of the trailing rope_dim channels."""
+    """x [T, D] or [T, H, D]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the trailing rope_dim channels to
+    (a cos - b sin, b cos + a sin): pairs * cos + (-b, a) * sin in one addcmul (the sine's sign carries
+    the inverse), eleven kernels where the pair-by-pair products took sixteen."""
     angles = positions.float()[:, None] * inv_freq.float()[None, :]          # [T, rope_dim/2]
     if x.dim() == 3:
         angles = angles[:, None, :]
-    cos, sin = angles.cos(), angles.sin()
-    if inverse:
-        sin = -sin
+    cos, sin = angles.cos().unsqueeze(-1), angles.sin().unsqueeze(-1)         # [..., rope_dim/2, 1]
     d = x.shape[-1]
     pairs = x[..., d - rope_dim:].float().unflatten(-1, (rope_dim // 2, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1)              # (-b, a)
+    rotated = torch.addcmul(pairs * cos, turned, sin, value=-1.0 if inverse else 1.0).flatten(-2)
     return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)

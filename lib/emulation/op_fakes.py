@@ -81,7 +81,21 @@ def _int_mm(self, mat2):
     return self.new_empty((self.shape[0], mat2.shape[1]), dtype=I32)
 
 
-FAKES = {f.__name__: f for f in (npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+def npu_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps):
+    t, n, d = x.shape
+    return (x.new_empty((t, d), dtype=x.dtype), x.new_empty((t, n), dtype=F32), x.new_empty((t, n, n), dtype=F32))
+
+
+def npu_hc_post(x, residual, post, comb):
+    return residual.new_empty(residual.shape)
+
+
+def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, *unused, **unused_kw):
+    rows, experts = x.shape
+    return (x.new_empty((rows, k)), x.new_empty((rows, k), dtype=I32), x.new_empty((rows, experts), dtype=F32))
+
+
+FAKES = {f.__name__: f for f in (npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
                                  npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm)}
 NEEDS_SOC = frozenset({"npu_moe_init_routing_v2"})     # fakes whose shapes follow a chip quirk

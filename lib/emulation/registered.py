@@ -1,5 +1,6 @@
 """`@device_op(name, chip)`: a device module's shim registered as the torch op `dsv4gen::<name>.<chip>`
-with the recorded schema of `name` (torch_npu 2.14.0's, or the installed torch's for `_int_mm`) and
+with the recorded schema of `name` (torch_npu 2.14.0's, vllm-ascend's DeepSeek-V4 custom ops', or the installed
+torch's for `_int_mm`) and
 its fake kernel (lib/emulation/op_fakes.py). The schema comes from the record, never from the
 Python signature, so a shim whose signature drifts from it fails when torch binds its arguments.
 """
@@ -9,12 +10,14 @@ import functools
 
 from lib.emulation import op_fakes
 from lib.torch_ops import registry
-from lib.torch_ops.schemas import int_mm_schema, load_schemas
+from lib.torch_ops.schemas import VLLM_ASCEND_FILE, int_mm_schema, load_schemas
 
 
 @functools.lru_cache(maxsize=1)
 def _schemas() -> dict:
-    return load_schemas()
+    """vllm-ascend's DeepSeek-V4 custom ops, then torch_npu 2.14.0's schemas: a name in both
+    (npu_lightning_indexer, the same arguments) is registered as torch_npu has it."""
+    return {**load_schemas(VLLM_ASCEND_FILE), **load_schemas()}
 
 
 def schema_of(name: str):

@@ -28,12 +28,15 @@ from typing import NamedTuple
 import torch
 
 from lib.console.stages import Stages
+from lib.emulation.relaxed import relaxed_widths
 from lib.records.batch import make_batch
 from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.engine.cache_sizing import blocks_for, make_store
 from lib.runtime.loaded_model import load_model
 from lib.runtime.paged_step import paged_step
 from lib.weights.tiny_checkpoint import cache_root, make_tiny
+from spec.config import RankConfig
+from spec.fused import chosen
 from spec.profile import load_profile
 from spec.schedule import backbone, drafter_kind
 from spec.tables import SPEC_DIR
@@ -141,15 +144,25 @@ class Counted(NamedTuple):
     model: object          # lib.runtime.loaded_model.Model
     schedule: object       # spec.config.ModelConfig
     path: Path
+    relaxed: bool = False  # fused kernels' width limits relaxed (the shrunk Flash runs Flash's fused path)
 
 
 def load_counted(backend: str, path: Path | None = None) -> Counted:
     """The model at `path` on `backend`; by default the reduced-depth shrunk Flash, whose counts
-    are scaled to the real flash-0731 schedule."""
-    schedule = variant_config("flash-0731") if path is None else None
-    path = path or shrunk_flash()
-    model = load_model(path, backend, progress=True)
-    return Counted(model, schedule or model.cfg, path)
+    are scaled to the real flash-0731 schedule. The shrunk widths fail the fused kernels' width limits
+    that Flash meets, so the shrunk model is loaded (and counted) with those relaxed for the emulation
+    (lib/emulation/relaxed.py), and must then choose exactly the fused kernels Flash's own shapes choose."""
+    if path is not None:
+        model = load_model(path, backend, progress=True)
+        return Counted(model, model.cfg, path)
+    schedule, path = variant_config("flash-0731"), shrunk_flash()
+    with relaxed_widths():
+        model = load_model(path, backend, progress=True)
+    flash = chosen(model.facts.fused, RankConfig.of(schedule))
+    if model.cfg.fused != flash:
+        raise AssertionError(f"{backend}: the shrunk Flash chose fused kernels {sorted(model.cfg.fused)} with "
+                             f"widths relaxed, Flash's shapes choose {sorted(flash)}: a limit other than a width differs")
+    return Counted(model, schedule, path, relaxed=True)
 
 
 def decode_launches(backend: str, path: Path | None = None, batch: int = 1) -> LaunchReport:
@@ -161,11 +174,16 @@ def count_launches(counted: Counted, batch: int = 1, with_round: bool = True) ->
     """Counts of one decode step and (`with_round`, where the model drafts) one DSpark round of
     `batch` sequences stepping together. With batch-wide ops the counts do not depend on `batch`;
     tests/planner/test_launches.py checks it for every backend."""
-    from lib.engine.drafting import block_size, context_rows, propose
-
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
-    model, schedule, path = counted
+    with relaxed_widths() if counted.relaxed else contextlib.nullcontext():
+        return _count(counted, batch, with_round)
+
+
+def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
+    from lib.engine.drafting import block_size, context_rows, propose
+
+    model, schedule, path, _ = counted
     backend = model.backend
     spark = drafter_kind(model.cfg) == "dspark"
     gamma = block_size(model) if spark else 0

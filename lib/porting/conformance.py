@@ -2,7 +2,8 @@
 
 Everything runs through the real loaders and generated modules. The reference first runs alone
 (a prompt, then greedy decode over its paged cache), recording every attention and MoE sub-layer
-call with the pools it read, and every weight-free op call; then, with any fault injection active,
+call with the pools it read, and every call of an op reading no parameter but fp32 hyper-connection
+weights (conformance_ops.checked_ops); then, with any fault injection active,
 the device backend is loaded and checked under the capability guard: each recorded sub-layer and op
 is re-run teacher-forced (same inputs) within the profile's budget, and the whole model is
 teacher-forced over the reference tokens through the paged cache with the device's block geometry
@@ -17,6 +18,7 @@ lib/porting/conformance_context.py.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -24,10 +26,11 @@ import torch
 
 from codegen.lower import Rewrite
 from lib.console.stages import Stages
+from lib.emulation.relaxed import relaxed_widths
 from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
-from lib.porting.conformance_ops import op_checks, run_ops, weight_free_ops
+from lib.porting.conformance_ops import checked_ops, device_calls, op_checks, run_ops
 from lib.porting.conformance_paged import (batch_checks, copy_pools, new_store, paged_run, placement_check,
                                            recording_step, state_check)
 from lib.porting.rendering import rendered
@@ -145,15 +148,15 @@ class ReferenceRun(NamedTuple):
     tokens: list[int]                  # greedy tokens; token s follows logits s
     logits: list[torch.Tensor]         # last-row logits after the prompt and after each token
     sublayer_calls: list               # recorded attention / MoE sub-layer calls
-    op_calls: list                     # recorded weight-free op calls
+    op_calls: list                     # recorded calls of the ops checked op by op (checked_ops)
     draft: DraftReference | None       # greedy draft blocks over prompt + tokens (None: no DSpark drafter)
     state: dict                        # its live rows at the end (every token fed but the last)
 
 
 def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> ReferenceRun:
     """The cpu reference's greedy run, from a rendering of its generated code that records every
-    sub-layer call and every weight-free op call (codegen Rewrite record_*)."""
-    recording = Rewrite(record_ops=tuple(weight_free_ops()), record_dispatch=True)
+    sub-layer call and every call of the ops checked op by op (codegen Rewrite record_*)."""
+    recording = Rewrite(record_ops=tuple(checked_ops()), record_dispatch=True)
     with rendered("cpu", recording, "reference") as code:
         ref = load_model(model_path, "cpu", code=code)
         prompt = prompt_ids(prompt_len, ref.cfg.vocab_size)
@@ -181,6 +184,20 @@ def _reference_greedy(ref: Model, prompt: list[int], steps: int, recorded: list)
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
         inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None,
         stop_on_failure: bool = False, stages: Stages | None = None) -> Report:
+    """All conformance checks of `backend` (see `_run`), with the fused kernels' width limits relaxed
+    for the emulation (lib/emulation/relaxed.py): at tiny widths the device runs the fused kernels
+    its profile would choose for the real model, every other limit of theirs still checked."""
+    from lib.porting.faults import CATALOGUE
+
+    strict = inject in CATALOGUE and CATALOGUE[inject].strict_widths    # F02: skipping the limit is the bug
+    with contextlib.nullcontext() if strict else relaxed_widths():
+        return _run(backend, model_path, steps, prompt_len, ep_sim, inject, expert_mode, reference,
+                    stop_on_failure, stages)
+
+
+def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inject: str | None,
+         expert_mode: str | None, reference: ReferenceRun | None, stop_on_failure: bool,
+         stages: Stages | None) -> Report:
     """All conformance checks of `backend`; `reference` may be reused across runs of one model.
     The checks run in stages, cheapest first (ops and sub-layers; the paged run against the
     reference's logits and in another placement; four batch replicas with a rewound verify; the
@@ -210,11 +227,19 @@ def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim:
         options = fault.options(LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1))
         with stages(f"loading the {backend} model" + (f" (experts {expert_mode})" if expert_mode else "")):
             dev = load_model(model_path, backend, options=options, code=fault.code)
-        with guard:
-            with stages(f"op checks ({len(reference.op_calls)} recorded weight-free op calls)"):
-                op_results = run_ops(reference.op_calls, profile)
-            with stages(f"sub-layer checks ({len(reference.sublayer_calls)} recorded attention / MoE calls)"):
-                results = device_sublayers(reference.sublayer_calls, dev)
+        rewritten = fault.injection.rewrite(backend).calls if fault.injection and fault.injection.rewrite else {}
+        prepared = device_calls(reference.op_calls, profile, dev.cfg.fused, rewritten)
+        try:
+            with guard:
+                with stages(f"op checks ({len(reference.op_calls)} recorded op calls)"):
+                    op_results = run_ops(prepared)
+                with stages(f"sub-layer checks ({len(reference.sublayer_calls)} recorded attention / MoE calls)"):
+                    results = device_sublayers(reference.sublayer_calls, dev)
+        except (ValueError, NotImplementedError) as err:     # a device op refused its inputs (its shape limits)
+            return Report(backend, (Check("device ops accept the model's inputs", str(err)[:120], "no refusal",
+                                          False),))
+        checks.append(Check("fused kernels run (widths relaxed for the emulation)",
+                            ", ".join(sorted(dev.cfg.fused)) or "none", "reported", True))
         checks += op_checks(op_results, profile, Check)
         checks += sublayer_checks(results, budgets)
         if done():

@@ -1,5 +1,6 @@
 """The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
-backend's code path, so conformance can prove it catches each one, and two long-context bugs (C01,
+backend's code path, so conformance can prove it catches each one; two pitfalls of the fused kernels
+(F01, F02: a fused path's own wrong turn, ascend910); and two long-context bugs (C01,
 C02, lib/porting/state_faults.py) that only `--context` conformance can see.
 
 Nothing is patched. A bug reaches the backend the way the field port carried it, through one of
@@ -28,6 +29,7 @@ from lib.records.expert_placement import expert_placement
 from lib.runtime.loaded_model import Generated
 from lib.weights.params import LoadFaults, LoadOptions
 from lib.weights.tp_slices import part_index
+from spec.fused import chosen
 
 ALL = ("ascend310p", "ascend910", "hip936")
 GMM = ("ascend310p", "ascend910")
@@ -44,6 +46,7 @@ class Injection(NamedTuple):
     logprob_scorer: Callable = token_logprobs
     min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
     min_context: int = 0             # positions before the bug changes anything (C01, C02: long-context conformance)
+    strict_widths: bool = False      # conformance keeps the fused kernels' width limits (F02: the bug is skipping them)
 
     @property
     def load_only(self) -> bool:
@@ -169,6 +172,25 @@ def shared_over_scale_add(a, b):
     return a + b.to(a.dtype) / 1.5
 
 
+def comb_before_sinkhorn(x, fn, base, scale, iters, norm_eps, hc_eps):
+    """F01: the fused path's h_res (comb) taken before the Sinkhorn normalisation: softmax + eps only,
+    rows and columns no longer summing to one, so the streams grow or fade layer by layer."""
+    from backends.ascend910 import lowerings
+    from backends.common import hc
+
+    u, post, _ = lowerings.hc_pre_fused(x, fn, base, scale, iters, norm_eps, hc_eps)
+    n = x.shape[1]
+    m = hc._mix(x, fn, norm_eps)
+    logits = scale.float()[2] * m[:, 2 * n:] + base.float()[2 * n:]
+    return u, post, torch.softmax(logits.unflatten(-1, (n, n)), dim=-1) + hc_eps
+
+
+def unchecked_fused_widths(kernels, cfg, relax_widths=False):
+    """F02: a fused kernel chosen without its width limit (only the other limits checked), so it runs
+    at a hidden size it is not built for; the device refuses (here: the emulation's own check)."""
+    return chosen(kernels, cfg, relax_widths=True)
+
+
 # ---- engine sites (the paged state's: lib/porting/state_faults.py) ----------------------------------
 def mask_indexed_logprobs(logits, token_ids, top):
     """B20: the chosen token's logprob picked out by a boolean mask (nonzero on the device, L12)."""
@@ -208,7 +230,8 @@ CATALOGUE: dict[str, Injection] = {
                      rewrite=_rewrite(runtime_formats={"head": "__b06_fp8_head__"},
                                       converters={"__b06_fp8_head__": "lib.porting.faults:b06_fp8_head"})),
     "B07": Injection("B07", "hash routing dropped: gate top-k in the hash layers", ALL,
-                     rewrite=_rewrite(calls={"route_hash": "lib.porting.faults:gate_topk_route_hash"})),
+                     rewrite=_rewrite(calls={"route_hash": "lib.porting.faults:gate_topk_route_hash",
+                                             "route_hash@gating": "lib.porting.faults:gate_topk_route_hash"})),
     "B08": Injection("B08", "swiglu_limit not applied", ALL,
                      rewrite=_rewrite(kwargs={"routed_experts": UNCLIPPED, "swiglu_mlp": UNCLIPPED})),
     "B09": Injection("B09", "shared expert combined as routed + shared / 1.5", ALL,
@@ -233,6 +256,11 @@ CATALOGUE: dict[str, Injection] = {
     "B20": Injection("B20", "logprobs assembled with boolean-mask indexing", ALL, logprob_scorer=mask_indexed_logprobs),
     # long-context bugs (not from the field): exact below min_context positions, so only
     # `--context` conformance past that length can see them
+    # the fused kernels' own pitfalls (ascend910 only: no other profile has a fused kernel)
+    "F01": Injection("F01", "fused mHC: h_res (comb) taken before the Sinkhorn normalisation", ("ascend910",),
+                     rewrite=_rewrite(calls={"hc_pre@mhc": "lib.porting.faults:comb_before_sinkhorn"})),
+    "F02": Injection("F02", "fused mHC chosen without its width limit (hidden size outside {4096, 7168})",
+                     ("ascend910",), load=LoadFaults(fused_choice=unchecked_fused_widths), strict_widths=True),
     "C01": Injection("C01", "compressed-entry RoPE positions carried in float16 (one window off past 8192)", ALL,
                      rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions"}),
                      min_context=state.C01_SHOWS_FROM),

@@ -1,7 +1,7 @@
 """`dsv4gen diff`: review a port as tables, not as code.
 
 Two backends: per graph op and per tensor class, how each lowers it (implementation, device ops,
-runtime format) and which lessons each handles. Two spec versions: the unified diff of one
+runtime format; a fused kernel's lowering with the shapes that choose it) and which lessons each handles. Two spec versions: the unified diff of one
 backend's generated code and plan, rendered from each.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import difflib
 from pathlib import Path
 
 from codegen.build import render
+from spec.fused import describe
 from spec.graph import load_graph
 from spec.profile import Profile, load_profile
 from spec.tables import load_tensor_table
@@ -25,6 +26,11 @@ def _lowering_rows(profile: Profile) -> dict[str, str]:
             text = f"{low.impl} {call}" + (f" [{', '.join(low.device_ops)}]" if low.device_ops else "")
             text += f" ({', '.join(low.lessons)})" if low.lessons else ""
             rows[f"{op}" + (f" @{fmt}" if fmt else "")] = text
+    for name, kernel in profile.fused.items():     # fused kernels, chosen by the checkpoint's shapes
+        where = "; ".join(describe(lim) for lim in kernel.limits.values())
+        for op, low in kernel.ops.items():
+            devs = f" [{', '.join(low.device_ops)}]" if low.device_ops else ""
+            rows[f"{op} ~fused {name}"] = f"{low.impl} {low.call.split(':')[-1]}{devs} where {where}"
     return rows
 
 

@@ -14,13 +14,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import msgspec
 import torch
 
+from lib.emulation.relaxed import widths_relaxed
 from lib.weights.checkpoint import Checkpoint
 from lib.distributed.process_group import SINGLE, Parallel, check_sizes
 from lib.weights.params import LoadOptions
 from lib.runtime.rope_tables import rope_tables
 from spec.config import RankConfig
+from spec.fused import chosen
 from spec.schedule import LayerInfo, drafter_kind
 
 
@@ -31,6 +34,7 @@ class BackendFacts(NamedTuple):
     block_tokens: int                # positions per physical block of the paged decode state
     logical_block_tokens: int        # positions per block-table entry the attention kernel reads (L19)
     ep_dispatch: str                 # default EP token exchange: "allgather" | "alltoall"
+    fused: dict = {}                 # fused kernel name -> its shape limits (profile `fused`, spec/fused.py)
 
 
 class Model(NamedTuple):
@@ -76,7 +80,7 @@ class Generated(NamedTuple):
     def facts(self) -> BackendFacts:
         p = self.package
         return BackendFacts(getattr(torch, p.COMPUTE_DTYPE), p.CACHE_BLOCK_TOKENS, p.CACHE_LOGICAL_BLOCK_TOKENS,
-                            p.EP_DISPATCH)
+                            p.EP_DISPATCH, dict(p.FUSED))
 
 
 def generated(backend: str) -> Generated:
@@ -127,6 +131,9 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
                                    ep_dispatch=parallel.ep_dispatch)
     cfg = RankConfig.of(ckpt.config, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
                         ep_rank=parallel.ep_rank, tp_group=parallel.tp_group, ep_group=parallel.ep_group)
+    # the fused kernels this rank's shapes meet; width limits yield only inside relaxed_widths() (the emulation)
+    choose = options.faults.fused_choice or chosen
+    cfg = msgspec.structs.replace(cfg, fused=choose(facts.fused, cfg, relax_widths=widths_relaxed()))
     params = code.loader.load(ckpt, progress=progress, options=options)
     return Model(backend, cfg, params, rope_tables(ckpt.config), code.model.forward, Path(path), facts,
                  drafter_kind(ckpt.config), code.model, code.state)

@@ -38,6 +38,7 @@ class LoadFaults(NamedTuple):
     stored_parts: Callable | None = None       # (logical, parts) -> the stored bytes as the port read them
     part_index: Callable | None = None         # TP slicing of a tensor's stored parts (tp_slices.part_index)
     expert_placement: Callable | None = None   # EP expert map (lib/records/expert_placement.py)
+    fused_choice: Callable | None = None       # (kernels, cfg, relax_widths) -> fused kernels chosen (spec/fused.py chosen)
 
 
 class LoadOptions(NamedTuple):

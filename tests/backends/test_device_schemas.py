@@ -14,6 +14,8 @@ import backends.ascend310p.device_ops as p310
 import backends.ascend910.device_ops as p910
 import backends.hip936.device_ops as hip
 from lib.emulation import npu_ops as emu
+from lib.emulation import vllm_ascend_ops as fused
+from lib.emulation.registered import schema_of
 from lib.torch_ops.schemas import (NO_DEFAULT, SchemaParseError, check_signature, int_mm_schema, load_schemas,
                                     parse_schema, parse_schema_file)
 
@@ -109,8 +111,9 @@ def test_check_signature_catches_rename_default_star_and_varargs():
 
 
 @pytest.mark.parametrize("module, op", SHIMS, ids=[f"{m.__name__.split('.')[1]}.{op}" for m, op in SHIMS])
-def test_shim_signature_is_the_recorded_torch_npu_schema(module, op):
-    assert check_signature(getattr(module, op), SCHEMAS[op]) == []
+def test_shim_signature_is_the_recorded_schema(module, op):
+    # torch_npu 2.14.0's, or vllm-ascend's for its DeepSeek-V4 custom ops (npu_hc_pre_v2, ...)
+    assert check_signature(getattr(module, op), schema_of(op)) == []
 
 
 def test_hip_shim_signature_is_torchs_live_int_mm_schema():
@@ -120,7 +123,7 @@ def test_hip_shim_signature_is_torchs_live_int_mm_schema():
 @pytest.mark.parametrize("module", [p310, p910, hip])
 def test_device_ops_table_lists_exactly_the_module_shims(module):
     shims = {n for n, f in vars(module).items() if inspect.isfunction(f) and f.__module__ == module.__name__
-             and (n.startswith("npu_") or n == "_int_mm")}
+             and getattr(f, "device_op", None) == n}          # the registered entry points (@device_op)
     assert shims == set(module.DEVICE_OPS)
     assert all(re.fullmatch(r"L\d\d", lesson) for ids in module.DEVICE_OPS.values() for lesson in ids)
 
@@ -132,8 +135,11 @@ def _sentinels(schema):
 @pytest.mark.parametrize("module, op", SHIMS, ids=[f"{m.__name__.split('.')[1]}.{op}" for m, op in SHIMS])
 def test_real_stack_gets_every_argument_in_schema_form(module, op, monkeypatch):
     calls = []
-    monkeypatch.setattr(emu, "real_npu_op", lambda name: (lambda *a, **k: calls.append((name, a, k)) or "real"))
-    schema, vals = SCHEMAS[op], _sentinels(SCHEMAS[op])
+    real = lambda name: (lambda *a, **k: calls.append((name, a, k)) or "real")  # noqa: E731
+    monkeypatch.setattr(emu, "real_npu_op", real)
+    monkeypatch.setattr(fused, "real_op", real)
+    schema = schema_of(op)
+    vals = _sentinels(schema)
     pos = [vals[p.name] for p in schema.params if not p.kwarg_only]
     kw = {p.name: vals[p.name] for p in schema.params if p.kwarg_only}
     assert getattr(module, op).kernel(*pos, **kw) == "real"       # the registered op's kernel, called directly
@@ -148,5 +154,6 @@ def test_hip_real_stack_calls_torch_int_mm(monkeypatch):
 
 def test_no_real_stack_here():
     assert emu.real_npu_op("npu_rms_norm") is None and hip.real_gfx936() is False
+    assert fused.real_op("npu_hc_pre_v2") is None
     with pytest.raises(ValueError, match="unknown soc"):
         emu.chip("310P")

@@ -27,15 +27,15 @@ class _Tty(io.StringIO):
 def test_stages_on_a_pipe_open_and_close_each_stage_on_lines_of_their_own():
     out = io.StringIO()
     stages = Stages("conformance hip936", total=2, stream=out)
-    with stages("op checks (12 recorded weight-free op calls)"):
+    with stages("op checks (12 recorded op calls)"):
         pass
     stages.note("reusing the checkpoint")
     with stages("teacher-forced decode (32 steps)"):
         pass
     stages.finish()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[conformance hip936] 1/2 op checks (12 recorded weight-free op calls) ..."
-    assert re.fullmatch(r"\[conformance hip936\] 1/2 op checks \(12 recorded weight-free op calls\) \.\.\. \d+\.\d s",
+    assert lines[0] == "[conformance hip936] 1/2 op checks (12 recorded op calls) ..."
+    assert re.fullmatch(r"\[conformance hip936\] 1/2 op checks \(12 recorded op calls\) \.\.\. \d+\.\d s",
                         lines[1]), lines[1]
     assert lines[2] == "[conformance hip936] reusing the checkpoint"
     assert lines[3] == "[conformance hip936] 2/2 teacher-forced decode (32 steps) ..."
