@@ -32,6 +32,10 @@ class Device(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     link_bandwidth_bytes_per_s: Sourced     # per-device bandwidth of the collective links
     collective_latency_s: Sourced           # fixed cost of one small collective (all-reduce / all-gather)
     runtime_reserve_bytes: Sourced          # held outside weights and KV: driver context, communicators, activations
+    # cost of one kernel inside a replayed captured decode graph (`dsv4gen plan --graph-mode`), or why
+    # the device has no captured decode step: exactly one of the two
+    graph_launch_s: Sourced | None = None
+    no_graph: str | None = None
 
 
 # fields that may be zero (a runtime could reserve nothing); every other number must be positive
@@ -52,6 +56,9 @@ def check_device(device: Device, path: Path | str, lines: dict) -> None:
         if not number.source.strip():
             raise SpecError(f"{path}:{lines.get(('device', field, 'source'), '?')}: device.{field}.source is "
                             f"empty: say where the number comes from (a datasheet, a field report, a measurement)")
+    if (device.graph_launch_s is None) == (device.no_graph is None):
+        raise SpecError(f"{path}:{lines.get(('device',), '?')}: device needs exactly one of graph_launch_s (the cost "
+                        f"of a kernel in a replayed graph) and no_graph (why decode is not captured)")
     if device.runtime_reserve_bytes.value >= device.memory_bytes.value:
         raise SpecError(f"{path}:{lines.get(('device', 'runtime_reserve_bytes', 'value'), '?')}: "
                         f"device.runtime_reserve_bytes ({device.runtime_reserve_bytes.value:.0f}) must be less than "

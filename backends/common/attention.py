@@ -4,7 +4,8 @@ Same equations and the same addressing as the reference (backends/cpu/ops), with
 fp32 pooling, scores and softmax, KV and compressed entries in the compute dtype, int32 positions
 and float sort keys (L13), and only fixed-shape ops — gathers by computed rows and index_copy_
 scatters, never boolean indexing or index_put (L12). The whole batch goes through each op at once
-(rows of every sequence addressed through batch.state), so launches do not grow with the batch.
+(rows of every sequence addressed through batch.state), so launches do not grow with the batch, and
+the rows a step reads and writes are built once per step on the host (Addressing.step), not per layer.
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     z_all = matmul(h.to(wgate.dtype), wgate.t()).float() + ape.float().index_select(0, slot)
     c, ring, writes = a_all.shape[-1], pools.kv.shape[1], addr.writes[ratio]
     span = 2 * ratio if overlap else ratio
-    q = (writes.ids * ratio - (span - ratio))[:, None] + torch.arange(span, device=h.device)   # [K, S] positions
-    src = addr.sources(writes.seq[:, None].expand_as(q), q, ring).reshape(-1)
+    q = addr.step(("span_pos", ratio, span))                                   # [K, S] positions pooled
+    src = addr.step(("span", ratio, span, ring)).reshape(-1)
     kv = torch.cat((pools.kv.view(-1, c), a_all)).index_select(0, src).view(*q.shape, c)
     gate = torch.cat((pools.gate.view(-1, c), z_all)).index_select(0, src).view(*q.shape, c)
     if overlap:
@@ -57,7 +58,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     new = new * torch.rsqrt(new.square().mean(-1, keepdim=True) + eps) * norm.float()
     entries = rope(new, (writes.ids * ratio).to(torch.int32), inv_freq, rope_dim)
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
-    rows = addr.ring_writes(batch.positions, ring)
+    rows = addr.step(("ring", ring))
     pools.kv.view(-1, c).index_copy_(0, rows, a_all)
     pools.gate.view(-1, c).index_copy_(0, rows, z_all)
     return pools
@@ -78,14 +79,14 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     in one process's order selects exactly what one process selects."""
     q, weights = parallel.gather_heads(q, weights, group)
     addr, t = batch.state, q.shape[0]
-    seq, limit = addr.row_seq, ((batch.positions + 1) // ratio).to(torch.int32)
+    limit = ((batch.positions + 1) // ratio).to(torch.int32)
     ws = weights.float() * weight_scale
     best = torch.full((t, topk), float("-inf"), device=q.device)
     best_ids = torch.full((t, topk), -1.0, device=q.device)                                       # float sort keys (L13)
     n = index_block(t, q.shape[1], q.shape[2])                                  # every block full width
     for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int32, device=q.device)
-        rows = addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.to(torch.int64).repeat(t))
+        rows = addr.entry_block(ratio, lo, n).reshape(-1)
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
         dots = invariant.bmm(q.float(), k.transpose(1, 2))                        # [T, Hi, n]
         scores = (ws.unsqueeze(-1) * torch.relu(dots)).sum(1)
@@ -109,15 +110,13 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     verified with five drafts after it: batch invariance, which lossless speculative decoding
     needs, holds by construction."""
     addr, d, t = batch.state, q.shape[-1], q.shape[0]
-    seq = addr.row_seq
-    pos = batch.positions[:, None] - window + 1 + torch.arange(window, device=q.device)   # [T, W]
-    src = addr.sources(seq[:, None].expand_as(pos), pos, windows.shape[1]).reshape(-1)
+    src = addr.step(("window", window, windows.shape[1])).reshape(-1)           # slot k: position t-W+1+k
     keys = torch.cat((windows.view(-1, d).to(kv.dtype), kv)).index_select(0, src).view(t, window, d)
-    mask = pos >= 0
+    mask = addr.step(("window_mask", window))
     if entries is not None and selection is not None:
         limit = (batch.positions + 1) // ratio
         sel = selection.to(torch.int64)
-        rows = addr.entry_rows(ratio, seq[:, None].expand_as(sel).reshape(-1), sel.reshape(-1))
+        rows = addr.entry_rows_of(ratio, sel).reshape(-1)
         keys = torch.cat((keys, entries.index_select(0, rows).view(*sel.shape, d).to(kv.dtype)), dim=1)
         mask = torch.cat((mask, (sel >= 0) & (sel < limit[:, None])), dim=1)
     qf, kf = q.float(), keys.float()
@@ -130,7 +129,7 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
         limit = (batch.positions + 1) // ratio
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
             ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64, device=q.device)
-            rows = addr.entry_rows(ratio, seq[:, None].expand(-1, ids.shape[0]).reshape(-1), ids.repeat(t))
+            rows = addr.entry_block(ratio, lo, HCA_BLOCK).reshape(-1)
             block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],
                              invariant.bmm(qf, block.transpose(1, 2)) / d ** 0.5, float("-inf"))
@@ -140,6 +139,6 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
             acc = acc * shrink + invariant.bmm(e, block)
             top = new_top
     out = (acc / (total + torch.exp(sk - top))).to(kv.dtype)                       # [T, H, D]
-    rows = addr.ring_writes(batch.positions, windows.shape[1])
+    rows = addr.step(("ring", windows.shape[1]))
     windows.view(-1, d).index_copy_(0, rows, kv.to(windows.dtype))
     return out, windows

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lib.distributed import process_group as parallel
-from lib.emulation.invariant_matmul import matmul
+from lib.emulation.invariant_matmul import group_mm, matmul
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: int = 1) -> torch.Tensor:
@@ -57,7 +57,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     t = x.shape[0]
     xg = x.to(weight.dtype).reshape(t, groups, -1)
     wg = weight.reshape(groups, -1, xg.shape[-1])
-    return torch.cat([matmul(xg[:, g], wg[g].t()) for g in range(groups)], dim=-1)
+    return group_mm(xg.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(t, -1)   # one batched product
 
 
 def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> torch.Tensor:
@@ -68,7 +68,7 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
     t = x.shape[0]
     xg = x.to(weight.dtype).reshape(t, groups, -1)                       # [T, G, R]
     wg = weight.reshape(weight.shape[0], groups, -1)                     # [d, G, R]
-    total = sum(matmul(xg[:, g], wg[:, g].t()).float() for g in range(groups))
+    total = group_mm(xg.transpose(0, 1), wg.permute(1, 2, 0)).float().sum(0)   # [G, T, d] products, one launch
     return parallel.all_reduce(total, group).to(weight.dtype)
 
 

@@ -17,7 +17,8 @@ from backends.hip936 import device_ops as device
 from lib.distributed import expert_exchange as ep
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement, local_ids, rank_experts
-from lib.quant.runtime_formats import PackedFP4, packed_fp4_to_w8a8, quantize_rows
+from lib.quant import bit_codecs as codecs
+from lib.quant.runtime_formats import W8A8, PackedFP4, quantize_rows
 
 DTYPE = torch.bfloat16
 
@@ -35,6 +36,23 @@ def shared_expert(x, w1, w3, w2, limit: float):
     x = x.to(DTYPE)
     act = moe.clipped_swiglu(matmul(x, w1.t()), matmul(x, w3.t()), limit).to(DTYPE)
     return matmul(act, w2.t())
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_pairs(device) -> torch.Tensor:
+    """[256, 2] fp32: the two e2m1 values of every packed MXFP4 byte (low nibble first, B01), decoded
+    once by the codec itself, so a table read gives exactly what the bit decode gives."""
+    return codecs._e2m1_value(codecs.unpack_e2m1(torch.arange(256, dtype=torch.uint8))).view(256, 2).to(device)
+
+
+def _requant_fp4(p: PackedFP4, quantize) -> W8A8:
+    """Stacked MXFP4 [..., N, K/2] -> W8A8 rows in a few kernels: one gather of the byte table (a gather
+    runs on the DCU itself; L14's AI-CPU fallback is a 310P fact), the E8M0 scales, one multiply, then
+    `quantize` (the fault site every requantising converter has); the values packed_fp4_to_w8a8 gives."""
+    lead, half = p.weight.shape[:-1], p.weight.shape[-1]
+    pairs = _e2m1_pairs(p.weight.device).index_select(0, p.weight.view(torch.uint8).reshape(-1).to(torch.int64))
+    values = pairs.view(*lead, (2 * half) // 32, 32) * codecs.e8m0_decode(p.scale).unsqueeze(-1)
+    return quantize(values.view(*lead, 2 * half))
 
 
 def _quant_tokens(x: torch.Tensor):
@@ -109,12 +127,12 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
         if t <= PAIRWISE_MAX_TOKENS:      # the T*k (token, slot) pairs, token-major, through one chain
             pq = xq.unsqueeze(1).expand(t, k, xq.shape[-1]).reshape(t * k, -1)
             ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
-            g1, g3, g2 = (packed_fp4_to_w8a8(_gather(w, local.reshape(-1)), quantize) for w in mats)
+            g1, g3, g2 = (_requant_fp4(_gather(w, local.reshape(-1)), quantize) for w in mats)
             act = moe.clipped_swiglu(_pair_matmul(pq, ps, g1), _pair_matmul(pq, ps, g3), limit)
             aq, as_ = _quant_tokens(act)
             rows = rows + _pair_matmul(aq, as_, g2).view(t, k, -1)
             continue
-        g1, g3, g2 = (packed_fp4_to_w8a8(w, quantize) for w in mats)
+        g1, g3, g2 = (_requant_fp4(w, quantize) for w in mats)
         for e in range(placement.n_local):
             y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
             rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)

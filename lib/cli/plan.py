@@ -59,6 +59,11 @@ def add_parser(sub, backend_names: list[str]) -> None:
     s.add_argument("--context", type=int, help="context length of the predicted decode step (default: max-model-len)")
     s.add_argument("--shard-bytes", type=_size, default=4 * GIB, help="preconverted shard limit (default 4GiB)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--calibration", action="store_true",
+                   help="the planner with the field stacks' own kernel counts against their measured steps")
+    s.add_argument("--graph-mode", action="store_true",
+                   help="predict the decode step replayed as a captured graph (the profile's graph_launch_s per "
+                        "kernel) instead of eager launches; both are printed either way")
     s.set_defaults(func=cmd_plan)
 
 
@@ -97,6 +102,11 @@ def cmd_plan(args) -> int:
 
     if args.ops:
         return _ops(args)
+    if args.calibration:
+        from lib.planner.calibration import calibrations, format_calibrations
+
+        print(format_calibrations(calibrations()))
+        return 0
     if args.record:
         raise ValueError("--record goes with --ops (it records launch counts)")
     if args.batch != 1:
@@ -108,7 +118,7 @@ def cmd_plan(args) -> int:
     d = Deployment(args.backend, args.variant, args.devices, args.tp or args.devices, args.ep or args.devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
                    args.speculative == "dspark", args.shard_bytes)
-    plan = make_plan(d, args.context, args.acceptance)
+    plan = make_plan(d, args.context, args.acceptance, graph_mode=args.graph_mode)
     if args.json:
         print(json.dumps(as_json(plan), indent=2))
     else:
@@ -197,12 +207,25 @@ def _step(name: str, s) -> str:
 
 
 def _speed(p) -> list[str]:
-    s = p.speed
-    out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives):",
+    s, dev = p.speed, p.device
+    mode = (f"captured: {dev.graph_launch_s.value * 1e6:g} us a kernel in a replayed graph" if p.graph_mode
+            else f"eager: {dev.launch_latency_s.value * 1e6:g} us a launch")
+    out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives; "
+           f"{mode}):",
            _step("plain", s.plain) + f"  -> {1 / s.plain.seconds:.2f} tok/s"]
     if s.verify is not None:
         out += [_step("verify", s.verify), _step("draft", s.draft),
                 f"  DSpark: block {s.block}, acceptance {s.acceptance:g} -> {s.tokens_per_round:.2f} tokens per "
                 f"{s.round_s * 1e3:.1f} ms round = {s.dspark_per_token_s * 1e3:.1f} ms per token -> "
                 f"{1 / s.dspark_per_token_s:.2f} tok/s"]
-    return out
+    return out + [_side_by_side(p)]
+
+
+def _side_by_side(p) -> str:
+    """Eager and captured predictions of the same step on one line (tok/s, plain | DSpark)."""
+    def rate(sp):
+        if sp is None:
+            return "-"
+        return f"{1 / sp.plain.seconds:.2f}" + (f" | DSpark {1 / sp.dspark_per_token_s:.2f}" if sp.verify else "")
+    captured = rate(p.captured) if p.captured is not None else f"none ({p.device.no_graph})"
+    return f"  tok/s eager {rate(p.eager)}; captured {captured}" + ("" if p.graph_mode else "  (--graph-mode: captured)")

@@ -39,6 +39,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _blocks(a, b)
 
 
+def group_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] -> [G, M, N], group g's rows exactly as `matmul(a[g], b[g])` makes them:
+    one batched product on a device (one launch, as the guard counts it), each group's own blocks on CPU."""
+    if not a.is_cpu:
+        return torch.bmm(a, b)
+    if torch._C._len_torch_dispatch_stack():
+        torch.bmm(a, b)             # under the capability guard: the device runs one bmm (see matmul)
+        with _disable_current_modes():
+            return _groups(a, b)
+    return _groups(a, b)
+
+
+def _groups(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([_blocks(a[g], b[g]) for g in range(a.shape[0])])
+
+
 def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead = a.shape[:-1]
     rows = a.reshape(-1, a.shape[-1]).contiguous()                          # [M, K], one layout for every call

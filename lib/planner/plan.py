@@ -29,8 +29,11 @@ class Plan(NamedTuple):
     layout: plan_cache.CacheLayout
     capacity: plan_cache.Capacity
     preconverted: plan_memory.Preconverted
-    speed: plan_speed.SpeedPlan
+    speed: plan_speed.SpeedPlan     # the prediction: eager, or captured under --graph-mode
     device: object                  # spec.hardware.Device
+    eager: plan_speed.SpeedPlan | None = None      # every launch eager
+    captured: plan_speed.SpeedPlan | None = None   # the step replayed as one captured graph (None: no capture)
+    graph_mode: bool = False
 
     @property
     def weights_bytes(self) -> int:
@@ -50,7 +53,9 @@ class Plan(NamedTuple):
         return self.weights_bytes + self.workspace + self.reserve + self.capacity.pool_bytes
 
 
-def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5) -> Plan:
+def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5, graph_mode: bool = False) -> Plan:
+    """`graph_mode`: the prediction is the captured step (vLLM's default; `--enforce-eager` serves the
+    eager one); both are computed where the device can capture."""
     profile = plan_memory.check_deployment(d)
     device = profile.device
     weights = plan_memory.weights(d)
@@ -61,9 +66,13 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     cfg = variant_config(d.variant)
     layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) == "dspark", d.max_num_seqs)
     capacity = plan_cache.capacity(layout, pool, d.max_model_len)
-    speed = plan_speed.speed(d, weights, layout, context or d.max_model_len, acceptance)
-    return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d), speed,
-                device)
+    at = context or d.max_model_len
+    eager = plan_speed.speed(d, weights, layout, at, acceptance)
+    captured = plan_speed.speed(d, weights, layout, at, acceptance, graph=True) if device.graph_launch_s else None
+    if graph_mode and captured is None:
+        raise ValueError(f"--graph-mode: {d.backend} has no captured decode step ({device.no_graph})")
+    return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d),
+                captured if graph_mode else eager, device, eager, captured, graph_mode)
 
 
 def _terms(step: plan_speed.StepTime | None) -> dict | None:
@@ -79,8 +88,13 @@ def as_json(p: Plan) -> dict:
     return {
         "deployment": p.deployment._asdict(),
         "device": {name: {"value": num.value, "basis": num.basis, "source": num.source}
-                   for name in p.device.__struct_fields__ if name != "doc"
-                   for num in [getattr(p.device, name)]},
+                   for name in p.device.__struct_fields__ if name not in ("doc", "no_graph")
+                   for num in [getattr(p.device, name)] if num is not None},
+        "graph_mode": p.graph_mode,
+        "tokens_per_second_eager_and_captured": {
+            mode: None if sp is None else {"plain": 1 / sp.plain.seconds,
+                                           "dspark": 1 / sp.dspark_per_token_s if sp.verify else None}
+            for mode, sp in (("eager", p.eager), ("captured", p.captured))},
         "weights_bytes_per_device": p.weights.rollup(),
         "weights_by_class": {f"{role}:{c.tensor_class}": {"format": c.runtime_format, "data": c.data, "scale": c.scale}
                              for role, classes in (("target", p.weights.target), ("draft", p.weights.draft))

@@ -1,5 +1,6 @@
 """Predicted single-stream decode speed: bytes read / memory bandwidth + kernel launches x launch
-latency + collectives, for one plain decode step and for one DSpark round.
+latency + collectives, for one plain decode step and for one DSpark round, eager (a launch costs the
+profile's launch_latency_s) or captured (a kernel of a replayed graph costs its graph_launch_s).
 
 Decode of one sequence is never compute-bound here (the 310P field saw the AI Core 4.2% busy and
 HBM 2.2% used, seeds/000), so three terms remain and are added, not overlapped: an upper bound
@@ -121,13 +122,24 @@ def _conversion_scope(d: Deployment) -> str | None:
     return conversion.scope if conversion else None
 
 
-def _step(d: Deployment, device, bytes_read: float, launches: int, messages: list[Message]) -> StepTime:
+def per_launch(device, graph: bool) -> float:
+    """Seconds one kernel costs: an eager launch, or a kernel of a replayed captured graph."""
+    if not graph:
+        return device.launch_latency_s.value
+    if device.graph_launch_s is None:
+        raise ValueError(f"no captured decode step on this device: {device.no_graph}")
+    return device.graph_launch_s.value
+
+
+def _step(d: Deployment, device, bytes_read: float, launches: int, messages: list[Message],
+          graph: bool = False) -> StepTime:
     count, comm = len(messages), _collectives(device, messages)
     return StepTime(int(bytes_read), bytes_read / device.memory_bandwidth_bytes_per_s.value, launches,
-                    launches * device.launch_latency_s.value, count, comm)
+                    launches * per_launch(device, graph), count, comm)
 
 
-def _target(d: Deployment, w: Weights, lay: CacheLayout, context: int, tokens: int, launches: int, device) -> StepTime:
+def _target(d: Deployment, w: Weights, lay: CacheLayout, context: int, tokens: int, launches: int, device,
+            graph: bool = False) -> StepTime:
     cfg, scope = variant_config(d.variant), _conversion_scope(d)
     layers = backbone(cfg)
     dense = sum(c.data + c.scale for c in w.target if c.tensor_class not in (*GATHERED, "routed_expert"))
@@ -147,10 +159,11 @@ def _target(d: Deployment, w: Weights, lay: CacheLayout, context: int, tokens: i
             messages += _tp(d, "all_gather", tokens * cfg.index_n_heads * (cfg.index_head_dim + 1) * _act_bytes(d))
     messages += _tp(d, "all_gather", tokens * cfg.vocab_size * LOGIT_BYTES)   # head (vocab rows split)
     experts = _expert_bytes(w, scope, tokens, cfg, len(layers))
-    return _step(d, device, dense + experts + kv, launches, messages)      # one sequence: its KV is read once
+    return _step(d, device, dense + experts + kv, launches, messages, graph)   # one sequence: its KV is read once
 
 
-def _draft(d: Deployment, w: Weights, lay: CacheLayout, context: int, launches: int, device) -> StepTime:
+def _draft(d: Deployment, w: Weights, lay: CacheLayout, context: int, launches: int, device,
+           graph: bool = False) -> StepTime:
     cfg, scope = variant_config(d.variant), _conversion_scope(d)
     stages, gamma = drafter(cfg), cfg.dspark_block_size
     dense = sum(c.data + c.scale for c in w.draft if c.tensor_class != "routed_expert")
@@ -160,22 +173,27 @@ def _draft(d: Deployment, w: Weights, lay: CacheLayout, context: int, launches: 
     messages = (_tp(d, "all_reduce", hidden) + _moe(d, gamma, cfg.hidden_size, cfg.num_experts_per_tok)) * len(stages)
     messages += _tp(d, "all_gather", gamma * cfg.vocab_size * LOGIT_BYTES)
     experts = _expert_bytes(w, scope, gamma, cfg, len(stages))
-    return _step(d, device, dense + head + experts + rings, launches, messages)
+    return _step(d, device, dense + head + experts + rings, launches, messages, graph)
 
 
-def speed(d: Deployment, w: Weights, lay: CacheLayout, context: int, acceptance: float) -> SpeedPlan:
+def speed(d: Deployment, w: Weights, lay: CacheLayout, context: int, acceptance: float, graph: bool = False,
+          counts: dict | None = None) -> SpeedPlan:
+    """The predicted decode of one sequence: eager launches, or (`graph`) the kernels of a replayed
+    captured step. `counts`: launch counts in data/decode-launches.json's form ({"decode": n,
+    "dspark_round": {...}}), by default this runtime's recorded ones; the calibration passes the
+    field's own."""
     if not 0 <= acceptance <= 1:
         raise ValueError(f"--acceptance must be in [0, 1] (accepted drafts / drafted), got {acceptance:g}")
     if context < 1:
         raise ValueError(f"--context must be at least 1, got {context}")
     device = load_profile(d.backend).device
-    counts = recorded(d.backend)
+    counts = counts or recorded(d.backend)
     cfg = variant_config(d.variant)
-    plain = _target(d, w, lay, context, 1, counts["decode"], device)
+    plain = _target(d, w, lay, context, 1, counts["decode"], device, graph)
     spark = counts.get("dspark_round") if d.speculative else None
     if not spark or cfg.dspark_block_size is None:
         return SpeedPlan(context, plain, None, None, acceptance, 0)
     gamma = cfg.dspark_block_size
-    verify = _target(d, w, lay, context, gamma + 1, spark["verify"], device)
-    draft = _draft(d, w, lay, context, spark["context"] + spark["draft"], device)
+    verify = _target(d, w, lay, context, gamma + 1, spark["verify"], device, graph)
+    draft = _draft(d, w, lay, context, spark["context"] + spark["draft"], device, graph)
     return SpeedPlan(context, plain, verify, draft, acceptance, gamma)

@@ -85,6 +85,11 @@ class Addressing(NamedTuple):
     block_tokens: int
     logical_block_tokens: int
     sites: PagedSites = PagedSites()
+    # this step's rows, built once for every layer (`with_step_rows`, on the host like vLLM's slot
+    # mapping), not recomputed by each layer's ops: ("ring", R) [T], ("window", W, R) [T, W] and
+    # ("window_mask", W) [T, W], ("span", m, n, R) [K, n] and ("span_pos", m, n) [K, n],
+    # ("entries", m) [S, E + ENTRY_PAD]
+    rows: dict = {}
 
     # ---- entries (block pools) -------------------------------------------------------------
     def entry_rows(self, ratio: int, seq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +106,24 @@ class Addressing(NamedTuple):
         seq = torch.arange(s, dtype=torch.int64, device=dev)[:, None].expand(s, n)
         return self.entry_rows(ratio, seq.reshape(-1), ids.reshape(-1)).view(s, n), ids
 
+    # ---- this step's rows (built once, read by every layer) ---------------------------------
+    def step(self, key: tuple) -> torch.Tensor:
+        if key not in self.rows:
+            raise KeyError(f"this step's addressing has no rows {key} (built: {sorted(self.rows)}); "
+                           "PagedCache.address builds them for the model's pools")
+        return self.rows[key]
+
+    def entry_block(self, ratio: int, lo: int, n: int) -> torch.Tensor:
+        """Pool rows [T, n] of entries lo..lo+n of each token row's sequence (past its last entry:
+        row 0, masked by the caller); n <= ENTRY_PAD."""
+        return self.step(("entries", ratio))[:, lo:lo + n].index_select(0, self.row_seq)
+
+    def entry_rows_of(self, ratio: int, ids: torch.Tensor) -> torch.Tensor:
+        """Pool rows [T, k] of entry ids [T, k] of each token row's sequence (ids < 0: row 0)."""
+        table = self.step(("entries", ratio))
+        flat = self.row_seq[:, None] * table.shape[1] + ids.clamp(min=0)
+        return table.view(-1).index_select(0, flat.reshape(-1)).view(ids.shape)
+
     # ---- rings (per-sequence slots) --------------------------------------------------------
     def to(self, device) -> Addressing:
         """The same addresses with every tensor on `device` (host ints and functions stay)."""
@@ -108,7 +131,8 @@ class Addressing(NamedTuple):
         return self._replace(row_seq=move(self.row_seq), seq_slot=move(self.seq_slot), seq_start=move(self.seq_start),
                              seq_end=move(self.seq_end), seq_lo=move(self.seq_lo),
                              tables=tuple(GroupTable(g.ratio, move(g.table)) for g in self.tables),
-                             writes={m: EntryWrites(*(move(t) for t in w)) for m, w in self.writes.items()})
+                             writes={m: EntryWrites(*(move(t) for t in w)) for m, w in self.writes.items()},
+                             rows={k: move(t) for k, t in self.rows.items()})
 
     def ring_rows(self, seq: torch.Tensor, q: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows [k] of positions q [k] of sequences seq [k] in a ring pool of `ring` rows per slot,
@@ -128,3 +152,32 @@ class Addressing(NamedTuple):
         fed = q >= self.seq_start[seq]
         new = (self.trash + 1) * ring + self.seq_lo[seq] + (q - self.seq_start[seq])
         return torch.where(fed, new, self.seq_slot[seq] * ring + q.clamp(min=0) % ring)
+
+
+ENTRY_PAD = 1024     # columns past the last entry in a step's entry table: any read block fits (<= 1024 wide)
+
+
+def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, window_rings: set[int],
+                   rings: set[int], spans: set[tuple[int, int, int]]) -> Addressing:
+    """`addr` with the rows every layer of this step reads, built once (host ops): the ring rows each
+    token writes in rings of R rows, the window sources [T, W] of window pools of R rows, the
+    sources [K, n] of the n positions pooled into each entry of ratio m completed this step
+    (span (m, n, R)), and each sequence's entry rows of every ratio."""
+    seq = addr.row_seq
+    rows = {("ring", r): addr.ring_writes(positions, r) for r in sorted(rings | window_rings)}
+    pos = positions[:, None] - window + 1 + torch.arange(window)
+    rows[("window_mask", window)] = pos >= 0
+    for r in sorted(window_rings):
+        rows[("window", window, r)] = addr.sources(seq[:, None].expand_as(pos), pos, r)
+    for m, n, r in sorted(spans):
+        w = addr.writes[m]
+        q = (w.ids * m - (n - m))[:, None] + torch.arange(n)
+        rows[("span_pos", m, n)] = q
+        rows[("span", m, n, r)] = addr.sources(w.seq[:, None].expand_as(q), q, r)
+    s = addr.seq_slot.shape[0]
+    for m in addr.max_entries:
+        width = addr.max_entries[m] + ENTRY_PAD
+        ids = torch.arange(width, dtype=torch.int64).expand(s, width)
+        sq = torch.arange(s, dtype=torch.int64)[:, None].expand(s, width)
+        rows[("entries", m)] = addr.entry_rows(m, sq.reshape(-1), ids.reshape(-1)).view(s, width)
+    return addr._replace(rows=rows)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites
+from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites, with_step_rows
 from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools, LayerPools
 from lib.runtime.block_allocator import BlockAllocator
@@ -65,6 +65,13 @@ class PagedCache:
         self.layers = tuple(_layer_pools(tensors, f"layer{layer.index}", layer.ratio) for layer in model.layers)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
                            for layer in (model.stages if rings else ()))
+        # the ring sizes a step's rows are built for (lib/records/addressing.py with_step_rows): every
+        # layer's window pool, every compressor ring, and the spans pooled into an entry of its ratio
+        backbone = [p for p in self.shapes if p.owner.startswith("layer") and p.lifetime == "sequence"]
+        comp = {(p.ratio, p.shape[1]) for p in backbone if p.item != "window"}
+        self._step_geometry = {"window_rings": {p.shape[1] for p in backbone if p.item == "window"},
+                               "rings": {r for _, r in comp},
+                               "spans": {(m, n, r) for m, r in comp for n in (m, 2 * m)}}
 
     @classmethod
     def for_lengths(cls, model, lengths: list[int], *, slack: int = 1, rings: bool = False,
@@ -180,6 +187,7 @@ class PagedCache:
                            torch.tensor(lo, dtype=torch.int64), tuple(tables), writes,
                            {m: max(ends) // m for m in self.ratios}, self.max_seqs, self.block_tokens,
                            self.logical_block_tokens, self.sites)
+        state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window, **self._step_geometry)
         return batch._replace(state=state if self.device is None else state.to(self.device))
 
     def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int]) -> EntryWrites:

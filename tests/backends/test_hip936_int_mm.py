@@ -27,3 +27,18 @@ def test_l28_int_mm_raises_for_m_le_16_and_padding_to_17_fixes_it():
         hip._int_mm(a17, w[:, :12])
     with pytest.raises(RuntimeError, match="int8"):
         hip._int_mm(a17.float(), w)
+
+
+def test_table_requant_gives_what_the_bit_decode_gives():
+    """The per-step expert requantisation reads a byte table (one gather) and must give exactly the
+    W8A8 rows of the codec's bit decode, for every byte value and the scale range, stacked experts included."""
+    from backends.hip936 import lowerings
+    from lib.quant.runtime_formats import PackedFP4, packed_fp4_to_w8a8, quantize_rows
+
+    gen = torch.Generator().manual_seed(0)
+    every_byte = torch.arange(-128, 128, dtype=torch.int8).view(4, 64).repeat(3, 1, 1)     # all 256 bytes per expert
+    weight = torch.cat((every_byte, torch.randint(-128, 128, (3, 4, 64), generator=gen, dtype=torch.int8)), 1)
+    scale = torch.randint(90, 160, (3, 8, 4), generator=gen).to(torch.uint8)
+    packed = PackedFP4(weight, scale)
+    got, want = lowerings._requant_fp4(packed, quantize_rows), packed_fp4_to_w8a8(packed)
+    assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scale, want.scale)

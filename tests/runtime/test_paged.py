@@ -288,3 +288,42 @@ def test_injected_paging_bugs_are_caught(models, bug):
         except (IndexError, RuntimeError):                        # a slot outside its pool or table
             caught = True
     assert caught, f"{bug} went unnoticed"
+
+
+@pytest.mark.parametrize("backend", ["ascend310p", "cpu"])
+def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
+    """The rows a step's layers read (lib/records/addressing.py with_step_rows) equal the per-call address
+    arithmetic on a mixed batch (two sequences at different lengths, one mid-window), on the 310P hybrid
+    block geometry and the reference's; a key the step did not build is refused by name."""
+    model = models[backend]
+    store = PagedCache.for_lengths(model, [40, 40])
+    for s in (0, 1):
+        store.add(s)
+        store.ensure(s, 40)
+    vocab = model.cfg.vocab_size
+    paged_step(model, make_batch([prompt_ids(13, vocab, 3), prompt_ids(6, vocab, 4)], [0, 0]), store, [0, 1])
+    batch = store.address(make_batch([prompt_ids(3, vocab, 5), prompt_ids(1, vocab, 6)], [13, 6]), [0, 1])
+    addr, pos, w = batch.state, batch.positions, model.cfg.sliding_window
+    seq = addr.row_seq
+    window = pos[:, None] - w + 1 + torch.arange(w)
+    for (kind, *key), rows in addr.rows.items():
+        if kind == "ring":
+            assert torch.equal(rows, addr.ring_writes(pos, key[0]))
+        elif kind == "window":
+            assert torch.equal(rows, addr.sources(seq[:, None].expand_as(window), window, key[1]))
+        elif kind == "window_mask":
+            assert torch.equal(rows, window >= 0)
+        elif kind == "span":
+            m, n, r = key
+            q = (addr.writes[m].ids * m - (n - m))[:, None] + torch.arange(n)
+            assert torch.equal(addr.rows[("span_pos", m, n)], q)
+            assert torch.equal(rows, addr.sources(addr.writes[m].seq[:, None].expand_as(q), q, r))
+    for m in addr.max_entries:
+        ids = torch.arange(addr.max_entries[m] + 3).expand(seq.shape[0], -1)
+        want = addr.entry_rows(m, seq[:, None].expand_as(ids).reshape(-1), ids.reshape(-1)).view(ids.shape)
+        assert torch.equal(addr.entry_block(m, 0, ids.shape[1]), want)
+        assert torch.equal(addr.entry_rows_of(m, ids), want)
+    kinds = {k[0] for k in addr.rows}
+    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "entries"}
+    with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
+        addr.step(("ring", 999))
