@@ -80,14 +80,8 @@ def last_block_top_k(q, weights, batch, keys, *, topk, ratio, weight_scale, grou
     if skip == 0:
         return attention.index_select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale,
                                       group=group)
-    sites = addr.sites
-
-    def shifted_slots(table, seq, ids, block_tokens, logical_block_tokens):
-        return sites.physical_slots(table, seq, ids + skip, block_tokens, logical_block_tokens)
-
-    table = addr.step(("entries", ratio))
+    table = addr.step(("entries", ratio))        # the step's entry rows, read from entry `skip` on
     tail = addr._replace(max_entries={**addr.max_entries, ratio: addr.max_entries[ratio] - skip},
-                         sites=sites._replace(physical_slots=shifted_slots),
                          rows={**addr.rows, ("entries", ratio): table[:, skip:]})
     view = batch._replace(positions=batch.positions - skip * ratio, state=tail)
     picked = attention.index_select(q, weights, view, keys, topk=topk, ratio=ratio, weight_scale=weight_scale,

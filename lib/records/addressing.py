@@ -97,10 +97,10 @@ class Addressing(NamedTuple):
         table = self.sites.group_of(self.tables, ratio).table
         return self.sites.physical_slots(table, seq, ids.clamp(min=0), self.block_tokens, self.logical_block_tokens)
 
-    def seq_entries(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def seq_entries(self, ratio: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every entry of every batch sequence at its end: (pool rows [S, E], ids [S, E]) with
-        E = max_entries[ratio]; ids >= seq_end // ratio are padding (row 0)."""
-        n, s = self.max_entries[ratio], self.seq_slot.shape[0]
+        E = width (default max_entries[ratio]); ids >= seq_end // ratio are padding (row 0)."""
+        n, s = self.max_entries[ratio] if width is None else width, self.seq_slot.shape[0]
         dev = self.row_seq.device
         ids = torch.arange(n, dtype=torch.int64, device=dev).expand(s, n)
         seq = torch.arange(s, dtype=torch.int64, device=dev)[:, None].expand(s, n)
@@ -174,10 +174,6 @@ def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, wi
         q = (w.ids * m - (n - m))[:, None] + torch.arange(n)
         rows[("span_pos", m, n)] = q
         rows[("span", m, n, r)] = addr.sources(w.seq[:, None].expand_as(q), q, r)
-    s = addr.seq_slot.shape[0]
     for m in addr.max_entries:
-        width = addr.max_entries[m] + ENTRY_PAD
-        ids = torch.arange(width, dtype=torch.int64).expand(s, width)
-        sq = torch.arange(s, dtype=torch.int64)[:, None].expand(s, width)
-        rows[("entries", m)] = addr.entry_rows(m, sq.reshape(-1), ids.reshape(-1)).view(s, width)
+        rows[("entries", m)] = addr.seq_entries(m, addr.max_entries[m] + ENTRY_PAD)[0]
     return addr._replace(rows=rows)

@@ -67,11 +67,12 @@ class PagedCache:
                            for layer in (model.stages if rings else ()))
         # the ring sizes a step's rows are built for (lib/records/addressing.py with_step_rows): every
         # layer's window pool, every compressor ring, and the spans pooled into an entry of its ratio
+        # (m positions, or 2m overlapping ones) that the ring can hold
         backbone = [p for p in self.shapes if p.owner.startswith("layer") and p.lifetime == "sequence"]
         comp = {(p.ratio, p.shape[1]) for p in backbone if p.item != "window"}
         self._step_geometry = {"window_rings": {p.shape[1] for p in backbone if p.item == "window"},
                                "rings": {r for _, r in comp},
-                               "spans": {(m, n, r) for m, r in comp for n in (m, 2 * m)}}
+                               "spans": {(m, n, r) for m, r in comp for n in (m, 2 * m) if n <= r}}
 
     @classmethod
     def for_lengths(cls, model, lengths: list[int], *, slack: int = 1, rings: bool = False,
