@@ -37,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond max-num-seqs before new ones get 503 + Retry-After")
     p.add_argument("--speculative", choices=["dspark", "none"], help="default: dspark where the checkpoint has it")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="never replay captured step graphs (default: graphs where the device has a graph API, "
+                        "eager on the CPU emulation; --no-enforce-eager captures there too)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
+                   help="batch sizes a step graph is captured for (default 1 2 4 8 16 ... up to --max-num-seqs)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
     p.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"],
                    help="how routed experts are held (ascend310p)")
@@ -101,7 +106,8 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
                                                           if ranks > 1 else ""), file=out)
     args.load_options = lambda a: LoadOptions(expert_mode=a.expert_mode, preconverted=a.preconverted)
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.num_blocks,
-                          args.speculative or "auto")
+                          args.speculative or "auto", args.enforce_eager,
+                          None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes))
     engine = launch(launch_spec(args, path, config))
     tokenizer = Tokenizer.from_dir(path)
     metrics = ServerMetrics(name)
@@ -112,7 +118,8 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     ctx = ServerContext(bridge, tokenizer, metrics, name, engine.max_model_len, engine.model.cfg.vocab_size,
                         generation_defaults(path), api_key=args.api_key, max_body_bytes=args.max_request_bytes)
     print(f"engine ready: {name}, max_model_len {engine.max_model_len}, max_num_seqs {args.max_num_seqs}, "
-          f"speculative {'dspark' if engine.speculative else 'none'}", file=out)
+          f"speculative {'dspark' if engine.speculative else 'none'}, "
+          f"{'graph mode' if getattr(engine, 'graphs', None) else 'eager'}", file=out)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

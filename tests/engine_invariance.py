@@ -4,7 +4,8 @@
 
 Greedy tokens of several prompts must be identical (token for token) whether each request runs
 alone or batched with others (batch invariance), with DSpark drafting or without (lossless
-speculation), and whatever the prefill chunk size (L24). The device backends run on their CPU
+speculation), whatever the prefill chunk size (L24), and, with --graph-mode, whether the decode
+steps replay captured graphs (lib/engine/graph_mode.py) or run eagerly. The device backends run on their CPU
 emulation; lib/emulation/invariant_matmul.py explains why that emulation must be batch invariant, and the test
 pins ATen's scalar-consistent kernels because the vectorised ones compute a tensor's last
 partial vector with scalar code (exp, log1p... differ in the last bit from their SIMD forms), so
@@ -25,9 +26,14 @@ from tests.helpers import prompt_ids
 PROMPTS = [prompt_ids(40, 1024, seed=11), prompt_ids(3, 1024, seed=12), prompt_ids(23, 1024, seed=13)]
 
 
-def run(model, prompts, *, speculative: str, chunk: int, tokens: int) -> list[list[int]]:
-    engine = Engine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk, speculative=speculative))
+def run(model, prompts, *, speculative: str, chunk: int, tokens: int, graphs: tuple[int, ...] | None = None,
+        replayed: list | None = None) -> list[list[int]]:
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk, speculative=speculative,
+                          max_model_len=256 if graphs else None, enforce_eager=graphs is None, cuda_graph_sizes=graphs)
+    engine = Engine(model, config)
     out = [r.output for r in engine.generate(prompts, SamplingParams(max_tokens=tokens))]
+    if replayed is not None:
+        replayed.append(engine.graphs.replayed)
     used = {group: u for group, (u, _) in engine.store.usage().items()}
     if any(used.values()):
         raise AssertionError(f"blocks still held after every request finished: {used}")
@@ -38,6 +44,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", required=True)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--graph-mode", action="store_true", help="also decode through captured step graphs")
     args = p.parse_args(argv)
     model = load_model(embedded_tiny(), args.backend)
     solo = [run(model, [pr], speculative="none", chunk=512, tokens=args.tokens)[0] for pr in PROMPTS]
@@ -48,6 +55,11 @@ def main(argv=None) -> int:
                                      ("prefill chunks of 1", [0], "none", 1)):
         got = run(model, [PROMPTS[i] for i in which], speculative=spec, chunk=chunk, tokens=args.tokens)
         result["checks"][name] = [g == solo[i] for g, i in zip(got, which)]
+    if args.graph_mode:             # buckets of 2 and 4: the three requests pad one, then two finish early
+        replayed = []
+        got = run(model, PROMPTS, speculative="dspark", chunk=512, tokens=args.tokens, graphs=(2, 4), replayed=replayed)
+        result["checks"]["graph mode, batched, dspark"] = [g == s for g, s in zip(got, solo)]
+        result["graph_steps"] = replayed[0]
     json.dump(result, sys.stdout)
     return 0
 

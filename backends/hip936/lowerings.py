@@ -38,11 +38,19 @@ def shared_expert(x, w1, w3, w2, limit: float):
     return matmul(act, w2.t())
 
 
-@functools.lru_cache(maxsize=None)
+_E2M1_PAIRS: dict = {}       # device -> the table below
+
+
 def _e2m1_pairs(device) -> torch.Tensor:
     """[256, 2] fp32: the two e2m1 values of every packed MXFP4 byte (low nibble first, B01), decoded
-    once by the codec itself, so a table read gives exactly what the bit decode gives."""
-    return codecs._e2m1_value(codecs.unpack_e2m1(torch.arange(256, dtype=torch.uint8))).view(256, 2).to(device)
+    once per device by the codec itself, so a table read gives exactly what the bit decode gives. Not kept
+    when made while torch.export traces a step: it would be the tracer's fake tensor."""
+    if device in _E2M1_PAIRS:
+        return _E2M1_PAIRS[device]
+    table = codecs._e2m1_value(codecs.unpack_e2m1(torch.arange(256, dtype=torch.uint8))).view(256, 2).to(device)
+    if not torch.compiler.is_exporting():
+        _E2M1_PAIRS[device] = table
+    return table
 
 
 def _requant_fp4(p: PackedFP4, quantize) -> W8A8:

@@ -25,11 +25,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 ROWS = 8
 
 
+def _under_guard() -> bool:
+    """A dispatch mode is active and it is not torch.export tracing the step (lib/runtime/step_graph.py):
+    an exported step records the blocks themselves, so that its replay computes what eager does."""
+    return bool(torch._C._len_torch_dispatch_stack()) and not torch.compiler.is_exporting()
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., K] @ b [K, N] -> [..., N]."""
     if not a.is_cpu:
         return a @ b
-    if torch._C._len_torch_dispatch_stack():
+    if _under_guard():
         # Under the capability guard (lib/guard/capability.py), which counts launches as the device would run
         # them: the device runs this product as one matmul, so one plain product is counted and
         # checked in its place, and the values come from the blocks, out of the guard's sight.
@@ -44,7 +50,7 @@ def group_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     one batched product on a device (one launch, as the guard counts it), each group's own blocks on CPU."""
     if not a.is_cpu:
         return torch.bmm(a, b)
-    if torch._C._len_torch_dispatch_stack():
+    if _under_guard():
         torch.bmm(a, b)             # under the capability guard: the device runs one bmm (see matmul)
         with _disable_current_modes():
             return _groups(a, b)
@@ -84,7 +90,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     own batch item again, at the cost of B's operand repeated M times (COPY_BYTES of it at a time)."""
     if not a.is_cpu:
         return torch.bmm(a, b)
-    if torch._C._len_torch_dispatch_stack():
+    if _under_guard():
         # under the capability guard: the device runs one bmm (see matmul)
         torch.bmm(a, b)
         with _disable_current_modes():

@@ -21,6 +21,7 @@ from lib.engine import drafting as dspark
 from lib.records.batch import make_batch
 from lib.engine.emit import emit, finish, row_logprobs
 from lib.engine import cache_sizing as engine_cache
+from lib.engine.graph_mode import StepGraphs, capture_sizes, graph_mode_on
 from lib.runtime.paged_step import paged_step
 from lib.engine.requests import Request, RequestOutput
 from lib.runtime.loaded_model import Model
@@ -35,6 +36,8 @@ class EngineConfig(NamedTuple):
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     num_blocks: int | None = None           # context blocks of block_tokens positions (default: max_num_seqs full contexts)
     speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
+    enforce_eager: bool | None = None       # True: never replay captured graphs; None: the device's default
+    cuda_graph_sizes: tuple[int, ...] | None = None   # graph batch buckets (lib/engine/graph_mode.py)
 
 
 def dspark_drafter(model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
@@ -64,6 +67,11 @@ class Engine:
                                              slack=1 + self.gamma)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, self.gamma), self.store)
+        self.graphs = None
+        if graph_mode_on(config.enforce_eager, self.store):
+            tokens = (1, 1 + self.gamma) if self.speculative else (1,)
+            self.graphs = StepGraphs(model, self.store, capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                                     tokens, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.drafted = [0] * self.gamma             # engine-wide per-position counters (metrics)
@@ -138,8 +146,9 @@ class Engine:
             fed = req.tokens[req.computed: req.computed + (s.feed - s.drafts)]
             chunks.append(fed + (drafts[req.id].tokens if s.drafts else []))
         batch = make_batch(chunks, [s.request.computed for s in plan])
+        graph = None if self.graphs is None else self.graphs.graph_for([s.feed for s in plan])
         result = paged_step(self.model, batch, self.store, [s.request.id for s in plan], commit=False,
-                            with_hidden=self.speculative)
+                            with_hidden=self.speculative, graph=graph)
         logits, hidden = result[0].float(), (result[1] if self.speculative else None)
         lo = 0
         for s in plan:

@@ -72,6 +72,14 @@ class EntryWrites(NamedTuple):
     slots: torch.Tensor      # [K] int64 pool row it is written to
 
 
+class StepShape(NamedTuple):
+    """The static shapes of a bucketed step, a captured graph's inputs (lib/runtime/step_graph.py):
+    `seqs` sequences (padded) of `tokens` new tokens each, reading at most `max_len` positions."""
+    seqs: int
+    tokens: int
+    max_len: int
+
+
 class Addressing(NamedTuple):
     row_seq: torch.Tensor             # [T] int64 batch sequence of each token row
     seq_slot: torch.Tensor            # [S] int64 each sequence's slot in the ring pools

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites, with_step_rows
-from lib.records.batch import Batch
+from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites, StepShape, with_step_rows
+from lib.records.batch import Batch, positions_of
 from lib.records.decode_state import CompressorPools, LayerPools
 from lib.runtime.block_allocator import BlockAllocator
 from lib.runtime.hostmem import mapped_zeros
@@ -162,9 +162,14 @@ class PagedCache:
         return out
 
     # ---- a step's addresses ------------------------------------------------------------------
-    def address(self, batch: Batch, seq_ids: list) -> Batch:
+    def address(self, batch: Batch, seq_ids: list, shape: StepShape | None = None) -> Batch:
         """`batch` with the Addressing of its sequences (sequence s continues at its committed
-        length, its positions already ensured); marks the positions written."""
+        length, its positions already ensured); marks the positions written.
+
+        With a `shape` (a captured step's bucket) every tensor gets that bucket's static shape: the
+        batch is padded with sequences of `shape.tokens` tokens at position 0 in the trash slot,
+        block tables and read widths are those of `shape.max_len` positions, and the entry writes are
+        padded to one per token row, the padding written to each entry pool's trash block."""
         seqs = [self._seq(s) for s in seq_ids]
         for seq_id, seq, start in zip(seq_ids, seqs, batch.starts):
             if seq.length != start:
@@ -173,34 +178,49 @@ class PagedCache:
         ends = [s + n for s, n in zip(batch.starts, batch.seq_lens)]
         if any(self._needed(seq, end)[m] for seq, end in zip(seqs, ends) for m in self.ratios):
             raise ValueError("positions of this batch are not allocated; ensure() them first")
-        lo = [sum(batch.seq_lens[:i]) for i in range(len(seqs))]      # host ints: metadata is built on the host
+        if shape is not None:
+            _check_fits(batch, ends, shape)
+            batch = _padded(batch, shape)
+        lens, starts = batch.seq_lens, batch.starts
+        pad = len(lens) - len(seqs)
+        all_ends = [s + n for s, n in zip(starts, lens)]
+        lo = [sum(lens[:i]) for i in range(len(lens))]      # host ints: metadata is built on the host
         tables, writes = [], {}
         for m in self.ratios:
-            width = max(len(seq.tables[m]) for seq in seqs)
-            table = torch.tensor([seq.tables[m] + [-1] * (width - len(seq.tables[m])) for seq in seqs],
-                                 dtype=torch.int32).view(len(seqs), width)
+            held = [seq.tables[m] for seq in seqs] + [[]] * pad
+            width = max(map(len, held)) if shape is None else -(-(shape.max_len // m) // self.block_tokens) * self.factor
+            table = torch.tensor([t + [-1] * (width - len(t)) for t in held], dtype=torch.int32).view(len(held), width)
             tables.append(GroupTable(m, table))
-            writes[m] = self._entry_writes(m, table, batch.starts, ends, lo)
+            writes[m] = self._entry_writes(m, table, starts[:len(seqs)], ends, lo,
+                                           None if shape is None else sum(lens))
         for seq, end in zip(seqs, ends):
             seq.written = end
-        state = Addressing(_rows_of(batch.seq_lens), torch.tensor([seq.slot for seq in seqs]),
-                           torch.tensor(batch.starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64),
-                           torch.tensor(lo, dtype=torch.int64), tuple(tables), writes,
-                           {m: max(ends) // m for m in self.ratios}, self.max_seqs, self.block_tokens,
-                           self.logical_block_tokens, self.sites)
+        max_entries = {m: (max(all_ends) if shape is None else shape.max_len) // m for m in self.ratios}
+        state = Addressing(_rows_of(lens), torch.tensor([seq.slot for seq in seqs] + [self.max_seqs] * pad),
+                           torch.tensor(starts, dtype=torch.int64), torch.tensor(all_ends, dtype=torch.int64),
+                           torch.tensor(lo, dtype=torch.int64), tuple(tables), writes, max_entries, self.max_seqs,
+                           self.block_tokens, self.logical_block_tokens, self.sites)
         state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window, **self._step_geometry)
         return batch._replace(state=state if self.device is None else state.to(self.device))
 
-    def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int]) -> EntryWrites:
+    def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int],
+                      pad_to: int | None = None) -> EntryWrites:
         """The entries tokens [start, end) complete: entry e by the token at position (e + 1) m - 1;
-        its pool row from the slot-side arithmetic (sites: where B13 goes wrong)."""
+        its pool row from the slot-side arithmetic (sites: where B13 goes wrong). With `pad_to`,
+        padded to that many writes of entry -1 of sequence 0 into the trash block's first row: its
+        positions are all negative, so whatever it pools is read from valid ring rows (and masked)."""
         done = [(k, e) for k, (s, end) in enumerate(zip(starts, ends)) for e in range(s // m, end // m)]
         seq = torch.tensor([k for k, _ in done], dtype=torch.int64)
         ids = torch.tensor([e for _, e in done], dtype=torch.int64)
         rows = torch.tensor([lo[k] + (e + 1) * m - 1 - starts[k] for k, e in done], dtype=torch.int64)
-        at = torch.cat([self.sites.entry_ids(m, s, end) for s, end in zip(starts, ends)])
+        at = torch.cat([self.sites.entry_ids(m, s, end) for s, end in zip(starts, ends)] or [ids])
         slots = self.sites.physical_slots(table, seq, at, self.block_tokens, self.logical_block_tokens)
-        return EntryWrites(rows, seq, ids, slots)
+        if pad_to is None:
+            return EntryWrites(rows, seq, ids, slots)
+        extra = pad_to - len(done)
+        fill = lambda t, v: torch.cat((t, torch.full((extra,), v, dtype=torch.int64)))
+        return EntryWrites(fill(rows, 0), fill(seq, 0), fill(ids, -1),
+                           fill(slots, self._alloc[m].num_blocks * self.block_tokens))
 
     # ---- drafter rings -----------------------------------------------------------------------
     def ring_address(self, seq_ids: list, batch: Batch) -> Batch:
@@ -270,6 +290,31 @@ class PagedCache:
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shapes)
+
+
+def _check_fits(batch: Batch, ends: list[int], shape: StepShape) -> None:
+    """A bucketed step takes at most `shape.seqs` sequences of exactly `shape.tokens` new tokens each,
+    none reading past `shape.max_len` positions."""
+    if len(batch.seq_lens) > shape.seqs:
+        raise ValueError(f"{len(batch.seq_lens)} sequences do not fit a step bucket of {shape.seqs}")
+    if any(n != shape.tokens for n in batch.seq_lens):
+        raise ValueError(f"a step bucket of {shape.tokens} new tokens per sequence got {list(batch.seq_lens)}")
+    if ends and max(ends) > shape.max_len:
+        raise ValueError(f"a sequence reaches position {max(ends)}, past the bucket's {shape.max_len}")
+
+
+def _padded(batch: Batch, shape: StepShape) -> Batch:
+    """`batch` with padding sequences of `shape.tokens` tokens (token 0, positions from 0) up to
+    `shape.seqs` sequences; each padding sequence's last row is a logit row when the batch has any."""
+    pad = shape.seqs - len(batch.seq_lens)
+    lens, starts = batch.seq_lens + (shape.tokens,) * pad, batch.starts + (0,) * pad
+    real = batch.tokens.shape[0]
+    tokens = torch.cat((batch.tokens, batch.tokens.new_zeros(pad * shape.tokens)))
+    positions = torch.cat((batch.positions, positions_of(lens[len(batch.seq_lens):], starts[len(batch.seq_lens):])))
+    rows = batch.logit_rows
+    if rows is not None:
+        rows = torch.cat((rows, real + shape.tokens * torch.arange(1, pad + 1, dtype=rows.dtype) - 1))
+    return batch._replace(tokens=tokens, positions=positions, seq_lens=lens, starts=starts, logit_rows=rows)
 
 
 def _rows_of(seq_lens) -> torch.Tensor:

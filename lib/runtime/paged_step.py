@@ -15,7 +15,7 @@ from lib.runtime.paged_cache import CacheFull, PagedCache
 
 
 def paged_step(model, batch: Batch, store: PagedCache, seq_ids: list, *, commit: bool = True,
-               with_hidden: bool = False):
+               with_hidden: bool = False, graph=None):
     """Step `batch` (sequence s continues store.length(seq_ids[s])) and store its new rows.
 
     Blocks for every new position are allocated first, for the whole batch or not at all
@@ -23,6 +23,8 @@ def paged_step(model, batch: Batch, store: PagedCache, seq_ids: list, *, commit:
     rows are stored but uncommitted, and the caller commits what it accepts with set_length
     (speculative verify). Returns (logits,), or (logits, main_hidden) with `with_hidden`:
     main_hidden [T, k*d] the DSpark context features of every row (None without a drafter).
+    With a `graph` (lib/runtime/step_graph.py StepGraph) the step runs as that bucket's exported
+    graph: addressed at its static shapes, padded, and the padding's rows dropped from the outputs.
     """
     if len(seq_ids) != len(batch.seq_lens):
         raise ValueError(f"{len(seq_ids)} sequence ids for a batch of {len(batch.seq_lens)} sequences")
@@ -34,12 +36,21 @@ def paged_step(model, batch: Batch, store: PagedCache, seq_ids: list, *, commit:
     if not store.can_fit(list(zip(seq_ids, ends))):
         raise CacheFull(f"a batch of {len(seq_ids)} sequences up to lengths {ends} does not fit: blocks used/total "
                         f"{store.usage()}; nothing was allocated")
+    real = sum(batch.seq_lens)
     with section("paged cache"):
         for seq_id, end in zip(seq_ids, ends):
             store.ensure(seq_id, end)
-        batch = store.address(batch, seq_ids)
-    with torch.inference_mode():
-        logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+        picked = batch.logit_rows
+        if graph is not None:           # a graph computes every row's logits (one static shape per bucket)
+            batch = batch._replace(logit_rows=None)
+        batch = store.address(batch, seq_ids, None if graph is None else graph.shape)
+    if graph is None:
+        with torch.inference_mode():
+            logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    else:
+        logits, hidden = graph(batch, store)
+        logits = logits[:real] if picked is None else logits.index_select(0, picked)
+        hidden = None if hidden is None else hidden[:real]
     if commit:
         for seq_id, end in zip(seq_ids, ends):
             store.set_length(seq_id, end)

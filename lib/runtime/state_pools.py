@@ -19,7 +19,8 @@ class PoolShape(NamedTuple):
     item: str                # declared name: "window", "comp.kv", "index.entries", ...
     lifetime: str            # "sequence" | "entry"
     ratio: int               # the owner's compress ratio (entry pools: the block table they use)
-    shape: tuple[int, ...]   # [max_seqs + 1, rows, dim] ring pools (slot max_seqs: trash) | [blocks * P, dim]
+    shape: tuple[int, ...]   # [max_seqs + 1, rows, dim] ring pools (slot max_seqs: trash) | [(blocks + 1) * P, dim]
+                             # entry pools (the last block: trash, the padded writes of a bucketed step)
     dtype: torch.dtype
 
     @property
@@ -54,7 +55,7 @@ def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block
             if item.lifetime == "sequence":
                 shape = (max_seqs + 1, item.rows(cfg, layer.ratio, slack), dim)
             else:
-                shape = (group_blocks(num_blocks, layer.ratio, max_seqs) * block_tokens, dim)
+                shape = ((group_blocks(num_blocks, layer.ratio, max_seqs) + 1) * block_tokens, dim)
             out.append(PoolShape(owner, item.name, item.lifetime, layer.ratio, shape, dtype))
     return out
 

@@ -234,13 +234,17 @@ def test_batch_chunk_and_speculation_invariance(backend):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1",
            # glibc otherwise returns and re-maps the fp64 temporaries of every op (several x slower)
            "MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
-    out = subprocess.run([sys.executable, "-m", "tests.engine_invariance", "--backend", backend], cwd=ROOT,
+    # graph mode (captured decode steps) on the backend whose field stack captures its steps
+    graph = ["--graph-mode"] if backend == "ascend910" else []
+    out = subprocess.run([sys.executable, "-m", "tests.engine_invariance", "--backend", backend, *graph], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["tokens"] >= 64 and all(len(s) == 64 for s in result["solo"])
     failed = {name: ok for name, ok in result["checks"].items() if not all(ok)}
     assert not failed, failed
+    if graph:
+        assert "graph mode, batched, dspark" in result["checks"] and result["graph_steps"] >= 10
 
 
 def test_logprobs_and_prompt_logprobs_match_the_model(cpu_model):

@@ -83,7 +83,7 @@ def test_cache_geometry_is_a_profile_fact(tmp_path):
 def test_pools_are_what_the_state_declaration_says(models, backend):
     """Windows and compressor rings: one slot per sequence plus a trash slot, rows from
     spec/state.yaml (W + slack; 2m or m + slack); entries and keys: block pools of each ratio,
-    cdiv(num_blocks, m) + max_seqs blocks. Nothing else is allocated."""
+    cdiv(num_blocks, m) + max_seqs blocks and a trash block. Nothing else is allocated."""
     model = models[backend]
     cfg, p = model.cfg, model.facts.block_tokens
     store = _store(model, num_blocks=8, max_seqs=3, seqs=(), slack=6)
@@ -98,9 +98,9 @@ def test_pools_are_what_the_state_declaration_says(models, backend):
         width = 2 * cfg.head_dim if layer.attention == "csa" else cfg.head_dim
         assert pools.comp.kv.shape == pools.comp.gate.shape == (4, span + 6, width)
         assert pools.comp.kv.dtype == torch.float32
-        assert pools.comp.entries.shape == ((-(-8 // m) + 3) * p, cfg.head_dim) and pools.comp.entries.dtype == dtype
+        assert pools.comp.entries.shape == ((-(-8 // m) + 3 + 1) * p, cfg.head_dim) and pools.comp.entries.dtype == dtype
         if layer.attention == "csa":
-            assert pools.index.entries.shape == ((-(-8 // m) + 3) * p, cfg.index_head_dim)
+            assert pools.index.entries.shape == ((-(-8 // m) + 3 + 1) * p, cfg.index_head_dim)
     per_token = sum((cfg.head_dim + (cfg.index_head_dim if l.attention == "csa" else 0)) / l.ratio
                     for l in model.layers if l.ratio) * torch.empty(0, dtype=dtype).element_size()
     assert store.bytes_per_token() == per_token
