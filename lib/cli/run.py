@@ -5,6 +5,7 @@ it prints is what a served request would return for the same sampling settings.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def add_arguments(sub, backend_names: list[str], model_path, load_options) -> No
             s.add_argument("--top-k", type=int, default=0)
             s.add_argument("--seed", type=int, help="sampling seed (reproducible output at temperature > 0)")
             s.add_argument("--stats", action="store_true", help="print drafted / accepted counts per draft position")
+            s.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                           help="never replay captured step graphs (default: graphs where the device has a graph "
+                                "API, eager on the CPU emulation; --no-enforce-eager captures there too)")
             add_parallel_arguments(s)
         else:
             s.add_argument("--ids", required=True, help="comma-separated token ids")
@@ -48,7 +52,8 @@ def cmd_run(args) -> int:
 
     path = args.model_path(args)
     tok = Tokenizer.from_dir(path)
-    spec = launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto"))
+    spec = launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto",
+                                                         enforce_eager=args.enforce_eager))
     layout = f", TP={spec.tp} EP={spec.ep} in {max(spec.tp, spec.ep)} processes" if max(spec.tp, spec.ep) > 1 else ""
     with Stages(f"run {args.backend}")(f"loading {path}{layout}"):
         engine = launch(spec)
@@ -83,6 +88,10 @@ def _generate(args, engine, tok, encode_messages, SamplingParams) -> int:
             mean = sum(req.accepted) / rounds if rounds else 0.0
             print(f"draft rounds {rounds}; accepted/drafted per position: {per}; "
                   f"mean accepted per round {mean:.2f}", file=sys.stderr)
+        graphs = getattr(engine, "graphs", None)
+        if graphs is not None:
+            print(f"graph mode: {graphs.replayed} steps replayed captured graphs, {graphs.eager} ran eagerly",
+                  file=sys.stderr)
     return 0
 
 

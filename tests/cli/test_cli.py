@@ -45,6 +45,21 @@ def test_run_raw_skips_the_chat_encoding(ckpt, capsys):
     assert capsys.readouterr().out == tok.decode(tokens, skip_special_tokens=True) + "\n"
 
 
+def test_run_in_graph_mode_replays_captured_decode_steps_with_the_same_tokens(ckpt, capsys):
+    """--no-enforce-eager on the CPU: decode steps replay the exported step graph (bucket 1)."""
+    prompt = "What is 2+2?"
+    assert main(["run", "--model", str(ckpt), "--prompt", prompt, "--raw", "--max-tokens", "5", "--speculative", "none",
+                 "--no-enforce-eager", "--stats"]) == 0
+    captured = capsys.readouterr()
+    tok = Tokenizer.from_dir(ckpt)
+    ids = tok.encode(prompt)
+    tokens = list(greedy(load_model(ckpt), ids, 5, frozenset({tok.eos_id})))
+    assert len(ids) > 1 and captured.out == tok.decode(tokens, skip_special_tokens=True) + "\n"
+    assert "graph mode: 1 graphs captured" in captured.err
+    # the prompt's prefill runs eagerly (several tokens), every decode step replays the graph
+    assert f"graph mode: {len(tokens) - 1} steps replayed captured graphs, 1 ran eagerly" in captured.err
+
+
 def test_logits_writes_every_position(ckpt, tmp_path, capsys):
     ids = prompt_ids(20, 1024)
     out = tmp_path / "logits.npy"
