@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from backends.ascend910 import device_ops as device
-from backends.common import hc, moe
+from backends.common import hc, moe, rope as common_rope
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
+from lib.records.step_rope import StepRope
 from lib.quant.runtime_formats import W4A8, W8A8
 
 DTYPE = torch.bfloat16
@@ -31,15 +32,30 @@ def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
     return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
 
 
-def rope(x, positions, inv_freq, rope_dim: int, inverse: bool = False):
-    """npu_rotary_mul in interleave mode on the trailing rope_dim channels (4-D BSND view)."""
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
-    cos = angles.cos().repeat_interleave(2, dim=-1)                        # [T, rope_dim], per pair
-    sin = angles.sin().repeat_interleave(2, dim=-1) * (-1.0 if inverse else 1.0)
+def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+    """The common fp32 angles of every table, and for the token rows npu_rotary_mul's r1 = cos and
+    r2 = sin per pair in bf16 ([1, T, 1, rope_dim]) and -r2 for the inverse: made once per step, not
+    in each of a layer's rope calls."""
+    out = {}
+    for name, step in common_rope.step_angles(batch, tables=tables).items():
+        r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
+        out[name] = step._replace(device=(r1, r2, -r2))
+    return out
+
+
+def rope(x, angles, rope_dim: int, inverse: bool = False):
+    """npu_rotary_mul in interleave mode on the trailing rope_dim channels (4-D BSND view); angles: the
+    step's rotation of this table (rope_angles), or a (cos, sin) pair [T, rope_dim/2]."""
+    if isinstance(angles, StepRope) and angles.device:
+        r1, r2, r2_inverse = angles.device
+        r2 = r2_inverse if inverse else r2
+    else:
+        cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
+        r1, r2 = (t.float().repeat_interleave(2, dim=-1).to(x.dtype)[None, :, None, :] for t in (cos, sin))
+        r2 = -r2 if inverse else r2
     d = x.shape[-1]
     tail = x[..., d - rope_dim:]
     heads = tail.reshape(1, x.shape[0], -1, rope_dim)                     # [1, T, N, rd]
-    r1, r2 = (t.to(x.dtype)[None, :, None, :] for t in (cos, sin))
     rotated = device.npu_rotary_mul(heads, r1, r2, rotary_mode="interleave").reshape(tail.shape)
     return torch.cat((x[..., : d - rope_dim], rotated), dim=-1)
 

@@ -35,9 +35,10 @@ def index_block(queries: int, heads: int, dim: int) -> int:
 
 
 def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, ratio: int,
-             overlap: bool, eps: float, inv_freq, rope_dim: int) -> CompressorPools:
+             overlap: bool, eps: float, angles, rope_dim: int) -> CompressorPools:
     """h [T, d] -> the same pools with this step's entries (fp32 pooling, stored in the pool's
-    dtype) and projection rows (fp32) written."""
+    dtype) and projection rows (fp32) written; `angles`: the step's RoPE of this table, whose entries
+    of `ratio` rotate the completed entries at m * e."""
     addr = batch.state
     slot = (batch.positions % ratio).to(torch.int32)
     a_all = matmul(h.to(wkv.dtype), wkv.t()).float()                           # [T, C]
@@ -56,7 +57,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     weights = torch.softmax(torch.where(valid, gate, float("-inf")), dim=1)
     new = (weights * torch.where(valid, kv, 0.0)).sum(dim=1)                    # [K, Dc]
     new = new * torch.rsqrt(new.square().mean(-1, keepdim=True) + eps) * norm.float()
-    entries = rope(new, (writes.ids * ratio).to(torch.int32), inv_freq, rope_dim)
+    entries = rope(new, angles.entries[ratio], rope_dim)
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     rows = addr.step(("ring", ring))
     pools.kv.view(-1, c).index_copy_(0, rows, a_all)

@@ -1,24 +1,54 @@
 """Interleaved partial RoPE from plain tensor ops (L11: the 310P rotary op has no interleaved mode).
 
-Angles are position * theta in fp32 (as the reference), the rotation is done in fp32 and the
-result returned in x's dtype; the inverse rotation negates the sine.
+Angles are position * theta in fp32 (as the reference), made once per step for every table
+(`rope_angles`, lib/records/step_rope.py: one product, cos and sin over the token rows and the
+entries the step completes, instead of three kernels in each of a layer's 4-6 rope calls); the
+rotation is done in fp32 and the result returned in x's dtype; the inverse rotation negates the sine.
+The rows' sine is also kept per pair with its signs, so a call swaps the pair (one flip) instead of
+negating and stacking it.
 """
 from __future__ import annotations
 
 import torch
 
+from lib.records.step_rope import StepRope, split, step_positions
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-         inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the trailing rope_dim channels to
-    (a cos - b sin, b cos + a sin): pairs * cos + (-b, a) * sin in one addcmul (the sine's sign carries
-    the inverse), eleven kernels where the pair-by-pair products took sixteen."""
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]          # [T, rope_dim/2]
+
+def step_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+    """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp32)."""
+    positions, spans = step_positions(batch)
+    p = positions.float()[:, None]
+    out = {}
+    for name, inv_freq in tables.items():
+        angles = p * inv_freq.float()[None, :]                                 # [N, rope_dim/2]
+        out[name] = split(inv_freq, angles.cos(), angles.sin(), batch.positions.shape[0], spans)
+    return out
+
+
+def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+    """step_angles, and for the token rows the sine per pair as the rotation multiplies the swapped
+    pair (b, a) by it: (-sin, sin), and (sin, -sin) for the inverse ([T, rope_dim/2, 2])."""
+    out = {}
+    for name, step in step_angles(batch, tables=tables).items():
+        paired = torch.stack((-step.sin, step.sin), dim=-1)
+        out[name] = step._replace(device=(paired, -paired))
+    return out
+
+
+def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """x [T, D] or [T, H, D]; angles: the step's rotation of this table (rope_angles), or a (cos, sin)
+    pair [T, rope_dim/2]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the trailing rope_dim channels to
+    (a cos - b sin, b cos + a sin) = pairs * cos + (b, a) * (-sin, sin) in one addcmul (the paired
+    sine's signs carry the inverse)."""
+    if isinstance(angles, StepRope) and angles.device:
+        cos, paired = angles.cos, angles.device[1 if inverse else 0]
+    else:
+        cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
+        paired = torch.stack((sin, -sin) if inverse else (-sin, sin), dim=-1).float()
+    cos = cos.float().unsqueeze(-1)                                            # [T, rope_dim/2, 1]
     if x.dim() == 3:
-        angles = angles[:, None, :]
-    cos, sin = angles.cos().unsqueeze(-1), angles.sin().unsqueeze(-1)         # [..., rope_dim/2, 1]
+        cos, paired = cos[:, None], paired[:, None]
     d = x.shape[-1]
     pairs = x[..., d - rope_dim:].float().unflatten(-1, (rope_dim // 2, 2))
-    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1)              # (-b, a)
-    rotated = torch.addcmul(pairs * cos, turned, sin, value=-1.0 if inverse else 1.0).flatten(-2)
+    rotated = torch.addcmul(pairs * cos, pairs.flip(-1), paired).flatten(-2)
     return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)

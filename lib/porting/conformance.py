@@ -30,10 +30,11 @@ from lib.emulation.relaxed import relaxed_widths
 from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
-from lib.porting.conformance_ops import checked_ops, device_calls, op_checks, run_ops
+from lib.porting.conformance_ops import checked_ops, device_calls, op_call, op_checks, run_ops
 from lib.porting.conformance_paged import (batch_checks, copy_pools, new_store, paged_run, placement_check,
                                            recording_step, state_check)
 from lib.porting.rendering import rendered
+from lib.quant.reference_formats import resolve
 from lib.records.batch import make_batch
 from lib.runtime.loaded_model import Model, load_model
 from lib.weights.params import LoadOptions
@@ -88,12 +89,15 @@ def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, tor
     its compressors wrote against the reference's (entries are written once, so the reference's
     pools still hold them), which judges the compressor where the attention's output dilutes it."""
     gen, out = dev.module, []
+    angles_of = resolve(op_call(load_profile(dev.backend), "rope_angles"))
     for table, kind, args, ref_out in ref_calls:
         layer = args[-3]
         inputs = [_to(a, dev.state_dtype) for a in args[1:-3]]
-        if table == "ATTENTION":                   # (h, batch, cache)
+        rope = dev.rope
+        if table == "ATTENTION":                   # (h, batch, cache); the step's angles, made as the device makes them
             inputs[2] = copy_pools(inputs[2], dev.state, layer.attention, dev.state_dtype)
-        got = getattr(gen, table)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg, dev.rope)
+            rope = angles_of(inputs[1], tables=dev.rope)
+        got = getattr(gen, table)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg, rope)
         if table != "ATTENTION":
             out.append((f"ffn {kind}", got, ref_out))
             continue

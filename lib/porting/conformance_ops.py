@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lib.quant.reference_formats import resolve
+from lib.records.step_rope import StepRope
 from spec.graph import load_graph
 from spec.profile import Profile, backend_names, load_profile
 from spec.tables import load_tensor_table
@@ -73,12 +74,20 @@ def device_calls(calls, profile: Profile, fused: frozenset = frozenset(), rewrit
         if kernel is not None and kernel[0] in fused:
             call = rewritten.get(f"{op}@{kernel[0]}", kernel[1].call)
         else:
-            low = profile.lowering(op)
-            call = rewritten.get(op, graph.ops[op].reference if low.impl == "reference" else low.call)
-        # activations in the device's dtype; parameters in fp32, as the device holds them
+            call = rewritten.get(op, op_call(profile, op, graph))
+        # activations in the device's dtype; parameters in fp32, as the device holds them; the step's
+        # RoPE angles in fp32, as the device's rope_angles makes them
         ins = [_cast(a, torch.float32 if port in params[op] else dtype) for port, a in zip(graph.ops[op].inputs, args)]
-        out.append((op, resolve(call), ins, _cast(kwargs, dtype), ref_out))
+        attrs = {k: v.to(torch.float32) if isinstance(v, StepRope) else v for k, v in kwargs.items()}
+        out.append((op, resolve(call), ins, attrs, ref_out))
     return out
+
+
+def op_call(profile: Profile, op: str, graph=None) -> str:
+    """'module:function' the backend lowers `op` to (the reference where it runs the reference)."""
+    graph = graph or load_graph().graph
+    low = profile.lowering(op)
+    return graph.ops[op].reference if low.impl == "reference" else low.call
 
 
 def run_ops(prepared):

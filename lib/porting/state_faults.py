@@ -46,7 +46,7 @@ C01_SHOWS_FROM = 8200
 C02_SHOWS_FROM = (C02_TILE + 1) * 4
 
 
-def fp16_entry_positions(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overlap, eps, inv_freq, rope_dim):
+def fp16_entry_positions(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overlap, eps, angles, rope_dim):
     """C01: the compressor rotates entry e at its position m*e carried in float16 (a port that
     builds the positions in the compute dtype). Exact below C01_SHOWS_FROM for CSA (and far beyond
     for HCA's multiples of 128); past it an entry is rotated one window too early or late.
@@ -56,12 +56,13 @@ def fp16_entry_positions(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overl
     from backends.common import attention, rope
 
     pools = attention.compress(h, batch, pools, wkv, wgate, ape, norm, ratio=ratio, overlap=overlap, eps=eps,
-                               inv_freq=inv_freq, rope_dim=rope_dim)
+                               angles=angles, rope_dim=rope_dim)
     writes = batch.state.writes[ratio]
     exact = writes.ids * ratio
     drift = exact.to(torch.float16).to(torch.int64) - exact
     rows = pools.entries.index_select(0, writes.slots)
-    pools.entries.index_copy_(0, writes.slots, rope.rope(rows, drift.to(torch.int32), inv_freq, rope_dim))
+    turn = drift.float()[:, None] * angles.inv_freq.float()[None, :]
+    pools.entries.index_copy_(0, writes.slots, rope.rope(rows, (turn.cos(), turn.sin()), rope_dim))
     return pools
 
 

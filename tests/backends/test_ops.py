@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from backends.common import rope as common_rope
 from backends.cpu.ops import attention, basic, hc, moe, rope as rope_ops
-from lib.records.batch import make_batch
+from lib.records.batch import Batch, make_batch
 from lib.quant.reference_formats import resolve
 from spec.graph import load_graph
 
@@ -28,13 +30,55 @@ def test_reference_signature_matches_the_op_schema(name):
 def test_rope_rotates_interleaved_pairs_of_the_trailing_slice_and_inverts():
     x = torch.arange(12.0).reshape(1, 12)
     inv_freq = torch.tensor([1.0, 0.5])
-    y = rope_ops.rope(x, torch.tensor([1]), inv_freq, rope_dim=4)
+    batch = Batch(torch.zeros(1, dtype=torch.int64), torch.tensor([1]), (1,), (0,))
+    angles = rope_ops.rope_angles(batch, tables={"main": inv_freq})["main"]
+    y = rope_ops.rope(x, angles, rope_dim=4)
     assert torch.equal(y[0, :8], x[0, :8])                  # "nope" part untouched
     a, b = x[0, 8].item(), x[0, 9].item()                  # pair (8, 9) rotates by 1 * 1.0
     assert y[0, 8].item() == pytest.approx(a * math.cos(1) - b * math.sin(1), abs=1e-6)
     assert y[0, 9].item() == pytest.approx(a * math.sin(1) + b * math.cos(1), abs=1e-6)
-    back = rope_ops.rope(y, torch.tensor([1]), inv_freq, rope_dim=4, inverse=True)
+    back = rope_ops.rope(y, angles, rope_dim=4, inverse=True)
     assert torch.allclose(back, x, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [rope_ops.rope_angles, common_rope.rope_angles], ids=["reference", "device"])
+def test_rope_angles_cover_the_rows_and_each_ratios_completed_entries_at_m_times_e(make):
+    """One record per table: the token rows' angles, then per ratio the entries the step completes
+    (state.writes order) at m * e, each exactly position * theta formed in fp32."""
+    inv_freq = {"main": torch.tensor([1.0, 0.25]), "compress": torch.tensor([0.5, 0.125])}
+    writes = {4: SimpleNamespace(ids=torch.tensor([3, 0, 7])), 128: SimpleNamespace(ids=torch.tensor([1]))}
+    batch = Batch(torch.zeros(3, dtype=torch.int64), torch.tensor([5, 9, 130]), (3,), (0,),
+                  state=SimpleNamespace(writes=writes))
+    out = make(batch, tables=inv_freq)
+    assert sorted(out) == ["compress", "main"]
+    for name, theta in inv_freq.items():
+        got = out[name]
+        want = lambda pos: (pos.float()[:, None] * theta[None, :]).double()
+        assert torch.allclose(got.cos.double(), want(batch.positions).cos(), atol=1e-7)
+        assert torch.allclose(got.sin.double(), want(batch.positions).sin(), atol=1e-7)
+        assert sorted(got.entries) == [4, 128]
+        for m, w in writes.items():
+            cos, sin = got.entries[m]
+            assert torch.allclose(cos.double(), want(w.ids * m).cos(), atol=1e-7)
+            assert torch.allclose(sin.double(), want(w.ids * m).sin(), atol=1e-7)
+    # a batch with no addressing (the drafter's ring rows) gets the rows only
+    bare = make(batch._replace(state=None), tables=inv_freq)["main"]
+    assert bare.entries == {} and bare.cos.shape == (3, 2)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_device_rope_rotates_with_the_steps_paired_sine_as_with_plain_angles(inverse):
+    """backends/common/rope.py: the rows' (-sin, sin) made once per step rotate exactly as the
+    (cos, sin) pair does (the compressor's entries), and as the reference within fp32 rounding."""
+    theta = {"main": torch.tensor([1.0, 0.25, 0.01])}
+    batch = Batch(torch.zeros(4, dtype=torch.int64), torch.tensor([0, 3, 17, 400]), (4,), (0,))
+    step = common_rope.rope_angles(batch, tables=theta)["main"]
+    assert step.device                                      # the paired sines are made with the angles
+    x = torch.randn(4, 2, 10)
+    got = common_rope.rope(x, step, rope_dim=6, inverse=inverse)
+    assert torch.equal(got, common_rope.rope(x, (step.cos, step.sin), rope_dim=6, inverse=inverse))
+    ref = rope_ops.rope(x, rope_ops.rope_angles(batch, tables=theta)["main"], rope_dim=6, inverse=inverse)
+    assert torch.allclose(got, ref, atol=1e-5)
 
 
 def test_sinkhorn_is_doubly_stochastic_and_hc_post_contracts_the_first_index():

@@ -45,7 +45,7 @@ def store_rows(a_all: torch.Tensor, z_all: torch.Tensor, batch: Batch, pools: Co
 
 def compress(h: torch.Tensor, batch: Batch, pools: CompressorPools, wkv: torch.Tensor, wgate: torch.Tensor,
              ape: torch.Tensor, norm: torch.Tensor, *, ratio: int, overlap: bool, eps: float,
-             inv_freq: torch.Tensor, rope_dim: int) -> CompressorPools:
+             angles, rope_dim: int) -> CompressorPools:
     """h [T, d] -> the same pools with this step's entries and rows written.
 
     wkv, wgate [C, d] with C = 2*Dc when `overlap` (CSA: series a = [:Dc], b = [Dc:]) else Dc;
@@ -58,7 +58,7 @@ def compress(h: torch.Tensor, batch: Batch, pools: CompressorPools, wkv: torch.T
     kv, gate, valid = window_rows(a_all, z_all, batch, pools, ratio=ratio, overlap=overlap)
     g = gate.double().masked_fill(~valid[:, :, None], float("-inf"))
     pooled = (torch.softmax(g, dim=1) * kv.double().masked_fill(~valid[:, :, None], 0)).sum(dim=1).float()
-    entries = rope(rms_norm(pooled, norm, eps), writes.ids * ratio, inv_freq, rope_dim)  # [K, Dc]
+    entries = rope(rms_norm(pooled, norm, eps), angles.entries[ratio], rope_dim)   # [K, Dc] at m * e
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     store_rows(a_all, z_all, batch, pools)
     return pools

@@ -1,21 +1,34 @@
 """Reference partial interleaved RoPE and its inverse (DSV4-REFERENCE §3.5).
 
 Only the trailing `rope_dim` channels rotate; pairs are (x[2i], x[2i+1]) within that slice.
-Angles are position * theta in fp32 (as the official and peer implementations compute them);
-the rotation itself runs in fp64 and rounds once (backends/cpu/ops/basic.py says why).
+Angles are position * theta in fp32 (as the official and peer implementations compute them), made
+once per step for every table (`rope_angles`, lib/records/step_rope.py); their cos / sin and the
+rotation itself run in fp64 and round once (backends/cpu/ops/basic.py says why).
 """
 from __future__ import annotations
 
 import torch
 
+from lib.records.step_rope import StepRope, split, step_positions
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-         inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D]; positions [T]; rotates x[..., D-rope_dim:] by +-position*theta."""
-    angles = (positions.float()[:, None] * inv_freq.float()[None, :]).double()   # [T, rope_dim/2]
+
+def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+    """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp64)."""
+    positions, spans = step_positions(batch)
+    out = {}
+    for name, inv_freq in tables.items():
+        angles = (positions.float()[:, None] * inv_freq.float()[None, :]).double()   # [N, rope_dim/2]
+        out[name] = split(inv_freq, angles.cos(), angles.sin(), batch.positions.shape[0], spans)
+    return out
+
+
+def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """x [T, D] or [T, H, D]; angles (cos, sin) [T, rope_dim/2] (a StepRope's rows, or an entries pair);
+    rotates x[..., D-rope_dim:] by +-position*theta."""
+    cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
+    cos, sin = cos.double(), sin.double()
     if x.dim() == 3:
-        angles = angles[:, None, :]
-    cos, sin = angles.cos(), angles.sin()
+        cos, sin = cos[:, None, :], sin[:, None, :]
     if inverse:
         sin = -sin
     nope, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
