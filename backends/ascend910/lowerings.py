@@ -33,21 +33,21 @@ def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
 
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
-    """The common fp32 angles of every table, and for the token rows npu_rotary_mul's r1 = cos and
-    r2 = sin per pair in bf16 ([1, T, 1, rope_dim]) and -r2 for the inverse: made once per step, not
-    in each of a layer's rope calls."""
+    """The common angles of every table (the compressors' composite rotates the entries with their
+    paired sines), and for the token rows npu_rotary_mul's r1 = cos and r2 = sin per pair in bf16
+    ([1, T, 1, rope_dim]) and -r2 for the inverse: made once per step, not in each rope call."""
     out = {}
-    for name, step in common_rope.step_angles(batch, tables=tables).items():
+    for name, step in common_rope.rope_angles(batch, tables=tables).items():
         r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
-        out[name] = step._replace(device=(r1, r2, -r2))
+        out[name] = step._replace(rotary=(r1, r2, -r2))
     return out
 
 
 def rope(x, angles, rope_dim: int, inverse: bool = False):
     """npu_rotary_mul in interleave mode on the trailing rope_dim channels (4-D BSND view); angles: the
     step's rotation of this table (rope_angles), or a (cos, sin) pair [T, rope_dim/2]."""
-    if isinstance(angles, StepRope) and angles.device:
-        r1, r2, r2_inverse = angles.device
+    if isinstance(angles, StepRope) and angles.rotary:
+        r1, r2, r2_inverse = angles.rotary
         r2 = r2_inverse if inverse else r2
     else:
         cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles

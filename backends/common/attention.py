@@ -40,7 +40,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     dtype) and projection rows (fp32) written; `angles`: the step's RoPE of this table, whose entries
     of `ratio` rotate the completed entries at m * e."""
     addr = batch.state
-    slot = (batch.positions % ratio).to(torch.int32)
+    slot = addr.step(("phase", ratio))                                          # [T] int32 position mod m
     a_all = matmul(h.to(wkv.dtype), wkv.t()).float()                           # [T, C]
     z_all = matmul(h.to(wgate.dtype), wgate.t()).float() + ape.float().index_select(0, slot)
     c, ring, writes = a_all.shape[-1], pools.kv.shape[1], addr.writes[ratio]
@@ -53,11 +53,11 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
         dc = c // 2
         kv = torch.cat((kv[:, :ratio, :dc], kv[:, ratio:, dc:]), dim=1)
         gate = torch.cat((gate[:, :ratio, :dc], gate[:, ratio:, dc:]), dim=1)
-    valid = (q >= 0)[:, :, None]
+    valid = addr.step(("span_valid", ratio, span))[:, :, None]                 # pooled positions that exist
     weights = torch.softmax(torch.where(valid, gate, float("-inf")), dim=1)
     new = (weights * torch.where(valid, kv, 0.0)).sum(dim=1)                    # [K, Dc]
     new = new * torch.rsqrt(new.square().mean(-1, keepdim=True) + eps) * norm.float()
-    entries = rope(new, angles.entries[ratio], rope_dim)
+    entries = rope(new, angles.entries[ratio], rope_dim)                        # at m * e
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     rows = addr.step(("ring", ring))
     pools.kv.view(-1, c).index_copy_(0, rows, a_all)
@@ -80,7 +80,7 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     in one process's order selects exactly what one process selects."""
     q, weights = parallel.gather_heads(q, weights, group)
     addr, t = batch.state, q.shape[0]
-    limit = ((batch.positions + 1) // ratio).to(torch.int32)
+    limit = addr.step(("limit", ratio))                                          # [T] int32 entries readable
     ws = weights.float() * weight_scale
     best = torch.full((t, topk), float("-inf"), device=q.device)
     best_ids = torch.full((t, topk), -1.0, device=q.device)                                       # float sort keys (L13)
@@ -115,11 +115,11 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     keys = torch.cat((windows.view(-1, d).to(kv.dtype), kv)).index_select(0, src).view(t, window, d)
     mask = addr.step(("window_mask", window))
     if entries is not None and selection is not None:
-        limit = (batch.positions + 1) // ratio
+        limit = addr.step(("limit", ratio))
         sel = selection.to(torch.int64)
         rows = addr.entry_rows_of(ratio, sel).reshape(-1)
         keys = torch.cat((keys, entries.index_select(0, rows).view(*sel.shape, d).to(kv.dtype)), dim=1)
-        mask = torch.cat((mask, (sel >= 0) & (sel < limit[:, None])), dim=1)
+        mask = torch.cat((mask, (selection >= 0) & (selection < limit[:, None])), dim=1)
     qf, kf = q.float(), keys.float()
     logits = torch.where(mask[:, None, :], invariant.bmm(qf, kf.transpose(1, 2)) / d ** 0.5, float("-inf"))
     sk = sink.float()[None, :, None]
@@ -127,9 +127,9 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     e = torch.exp(logits - top)
     total, acc = e.sum(-1, keepdim=True), invariant.bmm(e, kf)
     if entries is not None and selection is None:
-        limit = (batch.positions + 1) // ratio
+        limit = addr.step(("limit", ratio))
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64, device=q.device)
+            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int32, device=q.device)
             rows = addr.entry_block(ratio, lo, HCA_BLOCK).reshape(-1)
             block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

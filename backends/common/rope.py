@@ -14,34 +14,36 @@ import torch
 from lib.records.step_rope import StepRope, split, step_positions
 
 
-def step_angles(batch, *, tables: dict) -> dict[str, StepRope]:
-    """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp32)."""
+def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+    """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp32), with
+    their paired sines (one stack over the rows and entries together)."""
     positions, spans = step_positions(batch)
     p = positions.float()[:, None]
     out = {}
     for name, inv_freq in tables.items():
         angles = p * inv_freq.float()[None, :]                                 # [N, rope_dim/2]
-        out[name] = split(inv_freq, angles.cos(), angles.sin(), batch.positions.shape[0], spans)
-    return out
+        out[name] = StepRope(inv_freq, angles.cos(), angles.sin())
+    return {name: split(whole, batch.positions.shape[0], spans) for name, whole in _paired(out).items()}
 
 
-def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
-    """step_angles, and for the token rows the sine per pair as the rotation multiplies the swapped
-    pair (b, a) by it: (-sin, sin), and (sin, -sin) for the inverse ([T, rope_dim/2, 2])."""
+def _paired(tables: dict[str, StepRope]) -> dict[str, StepRope]:
+    """Each record with its paired sine: the rotation multiplies the swapped pair (b, a) by (-sin, sin),
+    and by (sin, -sin) for the inverse."""
     out = {}
-    for name, step in step_angles(batch, tables=tables).items():
-        paired = torch.stack((-step.sin, step.sin), dim=-1)
-        out[name] = step._replace(device=(paired, -paired))
+    for name, step in tables.items():
+        paired = torch.stack((-step.sin, step.sin), dim=-1)                    # [N, rope_dim/2, 2]
+        out[name] = step._replace(paired=(paired, -paired))
     return out
+
 
 
 def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D]; angles: the step's rotation of this table (rope_angles), or a (cos, sin)
-    pair [T, rope_dim/2]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the trailing rope_dim channels to
-    (a cos - b sin, b cos + a sin) = pairs * cos + (b, a) * (-sin, sin) in one addcmul (the paired
-    sine's signs carry the inverse)."""
-    if isinstance(angles, StepRope) and angles.device:
-        cos, paired = angles.cos, angles.device[1 if inverse else 0]
+    """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
+    ratio's entries) or a (cos, sin) pair [T, rope_dim/2]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the
+    trailing rope_dim channels to (a cos - b sin, b cos + a sin) = pairs * cos + (b, a) * (-sin, sin)
+    in one addcmul (the paired sine's signs carry the inverse)."""
+    if isinstance(angles, StepRope) and angles.paired:
+        cos, paired = angles.cos, angles.paired[1 if inverse else 0]
     else:
         cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
         paired = torch.stack((sin, -sin) if inverse else (-sin, sin), dim=-1).float()

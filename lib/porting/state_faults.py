@@ -72,8 +72,8 @@ def last_block_top_k(q, weights, batch, keys, *, topk, ratio, weight_scale, grou
     last tile survives. Exact while a sequence has at most C02_TILE entries (C02_TILE * ratio
     positions); past that, no query can select an entry older than the last tile.
 
-    The backend's own selection is run over the last tile alone: entry ids, positions and the
-    entry count shifted down by the tile's start, so it sees only those entries."""
+    The backend's own selection is run over the last tile alone: entry ids, positions, the entry
+    count and each row's readable entries shifted down by the tile's start, so it sees only those."""
     from backends.common import attention
 
     addr = batch.state
@@ -83,7 +83,8 @@ def last_block_top_k(q, weights, batch, keys, *, topk, ratio, weight_scale, grou
                                       group=group)
     table = addr.step(("entries", ratio))        # the step's entry rows, read from entry `skip` on
     tail = addr._replace(max_entries={**addr.max_entries, ratio: addr.max_entries[ratio] - skip},
-                         rows={**addr.rows, ("entries", ratio): table[:, skip:]})
+                         rows={**addr.rows, ("entries", ratio): table[:, skip:],
+                               ("limit", ratio): addr.step(("limit", ratio)) - skip})
     view = batch._replace(positions=batch.positions - skip * ratio, state=tail)
     picked = attention.index_select(q, weights, view, keys, topk=topk, ratio=ratio, weight_scale=weight_scale,
                                     group=group)

@@ -181,7 +181,10 @@ def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, wi
         w = addr.writes[m]
         q = (w.ids * m - (n - m))[:, None] + torch.arange(n)
         rows[("span_pos", m, n)] = q
+        rows[("span_valid", m, n)] = q >= 0
         rows[("span", m, n, r)] = addr.sources(w.seq[:, None].expand_as(q), q, r)
+        rows[("phase", m)] = (positions % m).to(torch.int32)      # each token's slot in its window (ape row)
     for m in addr.max_entries:
         rows[("entries", m)] = addr.seq_entries(m, addr.max_entries[m] + ENTRY_PAD)[0]
+        rows[("limit", m)] = ((positions + 1) // m).to(torch.int32)     # entries each token row may read
     return addr._replace(rows=rows)

@@ -14,17 +14,23 @@ import torch
 
 class StepRope(NamedTuple):
     inv_freq: torch.Tensor     # [rope_dim/2] fp32 frequencies theta_i (for positions the step did not make)
-    cos: torch.Tensor          # [T, rope_dim/2] cos(position * theta_i) of each token row
-    sin: torch.Tensor          # [T, rope_dim/2]
-    entries: dict              # ratio m -> (cos, sin) [K_m, rope_dim/2] at m * e of the entries the step
-                               # completes, in batch.state.writes[m] order (views of one product)
-    device: tuple = ()         # the rows' rotation in the form a backend's rotary kernel takes, made with
-                               # the angles (ascend910: npu_rotary_mul's r1, r2 and -r2); () where none
+    cos: torch.Tensor          # [N, rope_dim/2] cos(position * theta_i), N: the token rows (or entries)
+    sin: torch.Tensor          # [N, rope_dim/2]
+    entries: dict = {}         # ratio m -> StepRope of the entries the step completes, at m * e, in
+                               # batch.state.writes[m] order (views of the same product)
+    paired: tuple = ()         # (-sin, sin) and (sin, -sin) per pair [N, rope_dim/2, 2]: the composite
+                               # rotation's multiplier of the swapped pair (backends/common/rope.py); () if not made
+    rotary: tuple = ()         # npu_rotary_mul's r1, r2 and -r2 [1, N, 1, rope_dim] bf16 (ascend910); () if not made
 
     def to(self, dtype: torch.dtype) -> "StepRope":
-        """The angles in `dtype` (the frequencies stay fp32; no device form: it is the maker's)."""
+        """The angles in `dtype`, without the forms a backend made of them (the frequencies stay fp32)."""
         return StepRope(self.inv_freq, self.cos.to(dtype), self.sin.to(dtype),
-                        {m: (c.to(dtype), s.to(dtype)) for m, (c, s) in self.entries.items()})
+                        {m: e.to(dtype) for m, e in self.entries.items()})
+
+    def rows(self, lo: int, hi: int) -> "StepRope":
+        """Rows [lo, hi) of every field (views)."""
+        return StepRope(self.inv_freq, self.cos[lo:hi], self.sin[lo:hi], {},
+                        tuple(p[lo:hi] for p in self.paired), tuple(r[:, lo:hi] for r in self.rotary))
 
 
 def step_positions(batch) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
@@ -39,7 +45,6 @@ def step_positions(batch) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
     return (torch.cat(parts) if len(parts) > 1 else batch.positions), spans
 
 
-def split(inv_freq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int,
-          spans: dict[int, tuple[int, int]]) -> StepRope:
-    """The record of one table from its cos / sin over `step_positions` (views, no copies)."""
-    return StepRope(inv_freq, cos[:rows], sin[:rows], {m: (cos[a:b], sin[a:b]) for m, (a, b) in spans.items()})
+def split(whole: StepRope, rows: int, spans: dict[int, tuple[int, int]]) -> StepRope:
+    """The record of one table over `step_positions`: the token rows, each ratio's entries under them."""
+    return whole.rows(0, rows)._replace(entries={m: whole.rows(a, b) for m, (a, b) in spans.items()})

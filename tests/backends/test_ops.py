@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from backends.ascend910 import lowerings as ascend910
 from backends.common import rope as common_rope
 from backends.cpu.ops import attention, basic, hc, moe, rope as rope_ops
 from lib.records.batch import Batch, make_batch
@@ -58,9 +59,9 @@ def test_rope_angles_cover_the_rows_and_each_ratios_completed_entries_at_m_times
         assert torch.allclose(got.sin.double(), want(batch.positions).sin(), atol=1e-7)
         assert sorted(got.entries) == [4, 128]
         for m, w in writes.items():
-            cos, sin = got.entries[m]
-            assert torch.allclose(cos.double(), want(w.ids * m).cos(), atol=1e-7)
-            assert torch.allclose(sin.double(), want(w.ids * m).sin(), atol=1e-7)
+            entry = got.entries[m]
+            assert torch.allclose(entry.cos.double(), want(w.ids * m).cos(), atol=1e-7)
+            assert torch.allclose(entry.sin.double(), want(w.ids * m).sin(), atol=1e-7)
     # a batch with no addressing (the drafter's ring rows) gets the rows only
     bare = make(batch._replace(state=None), tables=inv_freq)["main"]
     assert bare.entries == {} and bare.cos.shape == (3, 2)
@@ -68,17 +69,22 @@ def test_rope_angles_cover_the_rows_and_each_ratios_completed_entries_at_m_times
 
 @pytest.mark.parametrize("inverse", [False, True])
 def test_device_rope_rotates_with_the_steps_paired_sine_as_with_plain_angles(inverse):
-    """backends/common/rope.py: the rows' (-sin, sin) made once per step rotate exactly as the
-    (cos, sin) pair does (the compressor's entries), and as the reference within fp32 rounding."""
+    """backends/common/rope.py: the (-sin, sin) made once per step rotate exactly as a plain (cos, sin)
+    pair does, and as the reference within fp32 rounding; ascend910's rotary inputs likewise."""
     theta = {"main": torch.tensor([1.0, 0.25, 0.01])}
     batch = Batch(torch.zeros(4, dtype=torch.int64), torch.tensor([0, 3, 17, 400]), (4,), (0,))
     step = common_rope.rope_angles(batch, tables=theta)["main"]
-    assert step.device                                      # the paired sines are made with the angles
+    assert step.paired and step.entries == {}               # the paired sines are made with the angles
     x = torch.randn(4, 2, 10)
     got = common_rope.rope(x, step, rope_dim=6, inverse=inverse)
     assert torch.equal(got, common_rope.rope(x, (step.cos, step.sin), rope_dim=6, inverse=inverse))
     ref = rope_ops.rope(x, rope_ops.rope_angles(batch, tables=theta)["main"], rope_dim=6, inverse=inverse)
     assert torch.allclose(got, ref, atol=1e-5)
+    npu = ascend910.rope_angles(batch, tables=theta)["main"]
+    assert npu.rotary
+    xb = x.to(torch.bfloat16)                               # the 910's activations (its rotary inputs are bf16)
+    assert torch.equal(ascend910.rope(xb, npu, rope_dim=6, inverse=inverse),
+                       ascend910.rope(xb, (npu.cos, npu.sin), rope_dim=6, inverse=inverse))
 
 
 def test_sinkhorn_is_doubly_stochastic_and_hc_post_contracts_the_first_index():

@@ -317,13 +317,18 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
             m, n, r = key
             q = (addr.writes[m].ids * m - (n - m))[:, None] + torch.arange(n)
             assert torch.equal(addr.rows[("span_pos", m, n)], q)
+            assert torch.equal(addr.rows[("span_valid", m, n)], q >= 0)
             assert torch.equal(rows, addr.sources(addr.writes[m].seq[:, None].expand_as(q), q, r))
+        elif kind == "phase":
+            assert torch.equal(rows, (pos % key[0]).to(torch.int32))
+        elif kind == "limit":
+            assert torch.equal(rows, ((pos + 1) // key[0]).to(torch.int32))
     for m in addr.max_entries:
         ids = torch.arange(addr.max_entries[m] + 3).expand(seq.shape[0], -1)
         want = addr.entry_rows(m, seq[:, None].expand_as(ids).reshape(-1), ids.reshape(-1)).view(ids.shape)
         assert torch.equal(addr.entry_block(m, 0, ids.shape[1]), want)
         assert torch.equal(addr.entry_rows_of(m, ids), want)
     kinds = {k[0] for k in addr.rows}
-    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "entries"}
+    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit"}
     with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
         addr.step(("ring", 999))

@@ -18,13 +18,13 @@ def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     out = {}
     for name, inv_freq in tables.items():
         angles = (positions.float()[:, None] * inv_freq.float()[None, :]).double()   # [N, rope_dim/2]
-        out[name] = split(inv_freq, angles.cos(), angles.sin(), batch.positions.shape[0], spans)
+        out[name] = split(StepRope(inv_freq, angles.cos(), angles.sin()), batch.positions.shape[0], spans)
     return out
 
 
 def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D]; angles (cos, sin) [T, rope_dim/2] (a StepRope's rows, or an entries pair);
-    rotates x[..., D-rope_dim:] by +-position*theta."""
+    """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
+    ratio's entries) or a (cos, sin) pair [T, rope_dim/2]; rotates x[..., D-rope_dim:] by +-position*theta."""
     cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
     cos, sin = cos.double(), sin.double()
     if x.dim() == 3:
