@@ -36,7 +36,6 @@ def _paired(tables: dict[str, StepRope]) -> dict[str, StepRope]:
     return out
 
 
-
 def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
     ratio's entries) or a (cos, sin) pair [T, rope_dim/2]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the
