@@ -16,23 +16,17 @@ from lib.records.step_rope import StepRope, split, step_positions
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp32), with
-    their paired sines (one stack over the rows and entries together)."""
+    the paired sine the rotation multiplies the swapped pair (b, a) by: (-sin, sin), and (sin, -sin)
+    for the inverse (one product and one stack over the rows and entries together)."""
     positions, spans = step_positions(batch)
     p = positions.float()[:, None]
     out = {}
     for name, inv_freq in tables.items():
         angles = p * inv_freq.float()[None, :]                                 # [N, rope_dim/2]
-        out[name] = StepRope(inv_freq, angles.cos(), angles.sin())
-    return {name: split(whole, batch.positions.shape[0], spans) for name, whole in _paired(out).items()}
-
-
-def _paired(tables: dict[str, StepRope]) -> dict[str, StepRope]:
-    """Each record with its paired sine: the rotation multiplies the swapped pair (b, a) by (-sin, sin),
-    and by (sin, -sin) for the inverse."""
-    out = {}
-    for name, step in tables.items():
-        paired = torch.stack((-step.sin, step.sin), dim=-1)                    # [N, rope_dim/2, 2]
-        out[name] = step._replace(paired=(paired, -paired))
+        sin = angles.sin()
+        paired = torch.stack((-sin, sin), dim=-1)                              # [N, rope_dim/2, 2]
+        whole = StepRope(inv_freq, angles.cos(), sin, paired=(paired, -paired))
+        out[name] = split(whole, batch.positions.shape[0], spans)
     return out
 
 

@@ -109,9 +109,14 @@ class _Captured:
 def _batch_leaves(spec) -> frozenset[int]:
     """Indices of the leaves that belong to the batch (a step's own tensors), not to the parameters,
     pools or RoPE tables."""
+    return frozenset(i for i, path in enumerate(_leaf_paths(spec)) if path[0].idx == 1)
+
+
+def _leaf_paths(spec) -> list:
+    """The key path of every leaf of the inputs, in leaf order."""
     from torch.utils._pytree import tree_flatten_with_path
     dummy = tree_unflatten(list(range(spec.num_leaves)), spec)
-    return frozenset(leaf for path, leaf in tree_flatten_with_path(dummy)[0] if path[0].idx == 1)
+    return [path for path, _ in sorted(tree_flatten_with_path(dummy)[0], key=lambda item: item[1])]
 
 
 class _Step(torch.nn.Module):
@@ -138,9 +143,6 @@ def _inputs(model, batch: Batch, store):
 
 def _path(spec, index: int) -> str:
     """A readable name of leaf `index` of the inputs."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-    dummy = tree_unflatten(list(range(spec.num_leaves)), spec)
-    for path, leaf in tree_flatten_with_path(dummy)[0]:
-        if leaf == index:
-            return ("params", "batch", "pools", "rope")[path[0].idx] + keystr(path[1:])
-    return f"#{index}"
+    from torch.utils._pytree import keystr
+    path = _leaf_paths(spec)[index]
+    return ("params", "batch", "pools", "rope")[path[0].idx] + keystr(path[1:])
