@@ -6,8 +6,10 @@ shape) builds a step's inputs at those shapes, so every per-step fact (tokens, p
 rows, slots, block tables, entry writes, the step's rows) is a tensor input. The pools, parameters
 and RoPE tables are inputs as well: the graph writes the pools in place as eager does, and holds
 no copy of a weight. What the graph keeps constant (the config, the layer schedule, the address
-functions, the addressing's host ints) is compared with what was traced on every replay, so a
-step the graph does not fit is refused with the difference named, never run wrong.
+functions, the addressing's host ints) is compared with what was traced - the batch's on every
+replay, the parameters', pools' and tables' once per object (they are the same objects on every
+step, and a Flash model has thousands of leaves: host time a replay must not spend) - so a step
+the graph does not fit is refused with the difference named, never run wrong.
 
 On a device the exported program is captured with the device's graph API (torch.npu.NPUGraph,
 CUDA / HIP graphs): static shapes and addresses, nothing read back by the host (the capability
@@ -24,6 +26,10 @@ from lib.records.addressing import StepShape
 from lib.records.batch import Batch
 
 
+_PARTS = ("parameters", "batch inputs", "pools", "RoPE tables")
+_BATCH = 1                                                     # the part that changes every step
+
+
 class StepGraph:
     """The generated forward of `model` over the pools of `store`, exported for one bucket."""
 
@@ -34,7 +40,9 @@ class StepGraph:
         self._tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         self._tensor_set = frozenset(self._tensor_at)
         self._constants = [None if isinstance(v, torch.Tensor) else v for v in leaves]
-        self._signature = [(leaves[i].shape, leaves[i].dtype) for i in self._tensor_at]
+        self._signature = {i: (leaves[i].shape, leaves[i].dtype) for i in self._tensor_at}
+        self._part_specs = self._spec.children()              # parameters, batch, pools, RoPE tables
+        self._held: dict[int, tuple] = {}                      # part -> (the object, its checked leaves)
         step = _Step(model, self._spec, self._constants, self._tensor_at)
         example = tuple(leaves[i] for i in self._tensor_at)
         with torch.no_grad():
@@ -49,26 +57,49 @@ class StepGraph:
         """(logits, main_hidden) of every row of `batch`, addressed by `store.address(..., self.shape)`."""
         if batch.logit_rows is not None:
             raise ValueError(f"step graph {self.shape}: it computes the logits of every row; pick rows from them")
-        leaves, spec = tree_flatten(_inputs(self._model, batch, store))
-        if spec != self._spec:
-            raise ValueError(f"step graph {self.shape}: the step's inputs are laid out differently from the "
-                             "traced ones (address the batch with this bucket's shape)")
-        for i, (value, traced) in enumerate(zip(leaves, self._constants)):
-            if isinstance(value, torch.Tensor) != (i in self._tensor_set):
-                raise ValueError(f"step graph {self.shape}: input {_path(spec, i)} is {type(value).__name__}, the "
-                                 f"graph was traced with {'a tensor' if i in self._tensor_set else repr(traced)}")
-            if not isinstance(value, torch.Tensor) and value != traced:
-                raise ValueError(f"step graph {self.shape}: input {_path(spec, i)} is {value!r}, the graph was "
-                                 f"traced with {traced!r}")
-        tensors = [leaves[i] for i in self._tensor_at]
-        for i, t, (shape, dtype) in zip(self._tensor_at, tensors, self._signature):
-            if t.shape != shape or t.dtype != dtype:
-                raise ValueError(f"step graph {self.shape}: input {_path(spec, i)} is {t.dtype} {list(t.shape)}, "
-                                 f"the graph takes {dtype} {list(shape)}")
+        tensors = self._tensors(_inputs(self._model, batch, store))
         with torch.no_grad():
             if self._captured is not None:
                 return self._captured.replay(tensors)
             return self._replay(*tensors)
+
+    def _tensors(self, parts: tuple) -> list:
+        """The graph's tensor inputs, each part (parameters, batch, pools, RoPE) checked against the traced
+        layout. The parameters, pools and RoPE tables are the same objects on every step of a model and a
+        cache: each is flattened and checked once, when first seen, and its tensors reused while it is the
+        object given (a replay's host work is then the batch's few dozen leaves, not the model's thousands)."""
+        leaves, at = [], 0
+        for k, (part, spec) in enumerate(zip(parts, self._part_specs)):
+            known = self._held.get(k)
+            if known is not None and known[0] is part:
+                leaves += known[1]
+            else:
+                flat, got = tree_flatten(part)
+                if got != spec:
+                    raise ValueError(f"step graph {self.shape}: the step's {_PARTS[k]} are laid out differently "
+                                     "from the traced ones (address the batch with this bucket's shape)")
+                self._check(flat, at)
+                leaves += flat
+                if k != _BATCH:
+                    self._held[k] = (part, flat)
+            at += spec.num_leaves
+        return [leaves[i] for i in self._tensor_at]
+
+    def _check(self, flat: list, at: int) -> None:
+        """Refuse leaves (the inputs' leaves from index `at` on) that are not what was traced there."""
+        for i, value in enumerate(flat, at):
+            traced = self._constants[i]
+            if isinstance(value, torch.Tensor) != (i in self._tensor_set):
+                raise ValueError(f"step graph {self.shape}: input {_path(self._spec, i)} is {type(value).__name__}, "
+                                 f"the graph was traced with {'a tensor' if i in self._tensor_set else repr(traced)}")
+            if not isinstance(value, torch.Tensor):
+                if value != traced:
+                    raise ValueError(f"step graph {self.shape}: input {_path(self._spec, i)} is {value!r}, the graph "
+                                     f"was traced with {traced!r}")
+            elif (value.shape, value.dtype) != self._signature[i]:
+                shape, dtype = self._signature[i]
+                raise ValueError(f"step graph {self.shape}: input {_path(self._spec, i)} is {value.dtype} "
+                                 f"{list(value.shape)}, the graph takes {dtype} {list(shape)}")
 
 
 def device_graph_api(device):

@@ -88,6 +88,29 @@ def test_a_graph_refuses_inputs_unlike_the_traced_ones(traced):
     store.free("a")
 
 
+def test_pools_are_checked_once_per_cache_and_a_new_cache_is_checked_again(traced):
+    """The parameters, pools and RoPE tables are flattened and checked when a graph first sees them; a
+    step on another cache (its own pools) is checked anew, and pools unlike the traced ones are refused."""
+    model, store, graph = traced
+    store.add("a")
+    paged_step(model, make_batch([[5] * 3]), store, ["a"])
+    store.ensure("a", 4)
+    batch = store.address(make_batch([[7]], [3]), ["a"], StepShape(2, 1, 64))
+    logits, _ = graph(batch, store)
+    assert graph._held[2][0] is store.layers and logits.shape[0] == 2
+    smaller = PagedCache(model, 8, max_seqs=3)
+    smaller.add("b")
+    paged_step(model, make_batch([[5] * 3]), smaller, ["b"])
+    smaller.ensure("b", 4)
+    other = smaller.address(make_batch([[7]], [3]), ["b"], StepShape(2, 1, 64))
+    with pytest.raises(ValueError, match=r"input pools\[\d+\]\.[\w.]+ is torch\.float32 \[96, 64\], the graph takes torch\.float32 \[128, 64\]"):
+        graph(other, smaller)
+    assert graph._held[2][0] is store.layers            # the refused cache was not taken as checked
+    again, _ = graph(batch, store)
+    assert torch.equal(again, logits)
+    store.free("a")
+
+
 def test_capture_sizes_and_the_default_mode():
     assert capture_sizes(16) == (1, 2, 4, 8, 16)
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
