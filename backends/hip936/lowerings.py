@@ -77,12 +77,21 @@ def _int_matmul(xq, xs, wq, ws):
     return acc.float() * xs[:, None] * ws[None, :]
 
 
-def _gather(w: PackedFP4, experts: torch.Tensor) -> PackedFP4:
-    """The packed weights of the given experts (one per token); a dummy zero expert sits at the end."""
-    dummy = PackedFP4(torch.zeros_like(w.weight[:1]), torch.full_like(w.scale[:1], 127))
-    weight = torch.cat((w.weight, dummy.weight)).index_select(0, experts)
-    scale = torch.cat((w.scale, dummy.scale)).index_select(0, experts)
-    return PackedFP4(weight, scale)
+def _gather(w: PackedFP4 | W8A8, experts: torch.Tensor) -> PackedFP4 | W8A8:
+    """The weights of the given experts (one per token pair); a dummy zero expert sits at the end
+    (E8M0 127 = 2^0 / an int8 scale of 1 beside zero values)."""
+    fill = 127 if isinstance(w, PackedFP4) else 1.0
+    values, scale = w
+    return type(w)(torch.cat((values, torch.zeros_like(values[:1]))).index_select(0, experts),
+                   torch.cat((scale, torch.full_like(scale[:1], fill))).index_select(0, experts))
+
+
+def _int8_experts(w: PackedFP4 | W8A8, quantize, experts: torch.Tensor | None = None) -> W8A8:
+    """Int8 expert rows: resident experts (expert mode `resident`) are int8 since load and only gathered;
+    streaming ones (MXFP4 kept as stored) are gathered and requantised now (L29). `experts`: one per
+    token pair (None: all of them)."""
+    picked = w if experts is None else _gather(w, experts)
+    return picked if isinstance(picked, W8A8) else _requant_fp4(picked, quantize)
 
 
 def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
@@ -112,9 +121,9 @@ def _pair_matmul(xq, xs, w) -> torch.Tensor:
 PAIRWISE_MAX_TOKENS = 16
 
 
-def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
-                   limit: float, quantize=quantize_rows):
-    """Routed experts requantised FP4 -> INT8 when they run (L29), multiplied with `_int_mm` (L28),
+def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, quantize=quantize_rows):
+    """Routed experts as int8 (resident: converted at load; streaming: MXFP4 requantised FP4 -> INT8
+    when they run, L29), multiplied with `_int_mm` (L28),
     exchanged over the EP group when there is one (lib/distributed/expert_exchange.py). `quantize` is
     a fault site: conformance renders B03 through it."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
@@ -122,8 +131,7 @@ def routed_experts(x, weights, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4,
         functools.partial(ep.weighted_sum, out_dtype=DTYPE), torch.float32, DTYPE))
 
 
-def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement: ExpertPlacement,
-                 limit: float, quantize) -> torch.Tensor:
+def _routed_rows(x, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, quantize) -> torch.Tensor:
     """fp32 [T*k, d] expert rows of the (token, expert) pairs held by the EP ranks this process runs
     (zero elsewhere: other ranks' experts map to the dummy zero expert, L06)."""
     t, k = ids.shape
@@ -135,12 +143,12 @@ def _routed_rows(x, ids, w1: PackedFP4, w3: PackedFP4, w2: PackedFP4, placement:
         if t <= PAIRWISE_MAX_TOKENS:      # the T*k (token, slot) pairs, token-major, through one chain
             pq = xq.unsqueeze(1).expand(t, k, xq.shape[-1]).reshape(t * k, -1)
             ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
-            g1, g3, g2 = (_requant_fp4(_gather(w, local.reshape(-1)), quantize) for w in mats)
+            g1, g3, g2 = (_int8_experts(w, quantize, local.reshape(-1)) for w in mats)
             act = moe.clipped_swiglu(_pair_matmul(pq, ps, g1), _pair_matmul(pq, ps, g3), limit)
             aq, as_ = _quant_tokens(act)
             rows = rows + _pair_matmul(aq, as_, g2).view(t, k, -1)
             continue
-        g1, g3, g2 = (_requant_fp4(w, quantize) for w in mats)
+        g1, g3, g2 = (_int8_experts(w, quantize) for w in mats)
         for e in range(placement.n_local):
             y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
             rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)

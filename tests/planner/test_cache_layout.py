@@ -25,7 +25,7 @@ MILLION = 1 << 20
 DEPLOYMENTS = {
     "ascend910": (Deployment("ascend910", max_model_len=MILLION, memory_fraction=0.92), 4),
     "ascend310p": (Deployment("ascend310p", expert_mode="streaming", max_model_len=MILLION), 2),
-    "hip936": (Deployment("hip936", max_model_len=MILLION), 4),
+    "hip936": (Deployment("hip936", expert_mode="streaming", max_model_len=MILLION), 4),
 }
 
 
