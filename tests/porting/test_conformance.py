@@ -104,11 +104,11 @@ def test_unknown_or_inapplicable_injection_is_refused(tiny_ckpt, capsys):
 def test_expert_modes_give_identical_outputs(tiny_ckpt, backend):
     """Experts converted at load and requantised when they run give the same int8 values: the same logits,
     for a prompt of 24 tokens and of 8 (hip936 runs up to 16 tokens as (token, expert) pairs)."""
+    models = {mode: load_model(tiny_ckpt, backend, options=LoadOptions(expert_mode=mode))
+              for mode in ("resident", "streaming")}
     for n in (24, 8):
         ids = conformance.prompt_ids(n, 1024)
-        outs = {mode: prefill_logits(load_model(tiny_ckpt, backend, options=LoadOptions(expert_mode=mode)), ids)
-                for mode in ("resident", "streaming")}
-        assert torch.equal(outs["resident"], outs["streaming"])
+        assert torch.equal(prefill_logits(models["resident"], ids), prefill_logits(models["streaming"], ids))
 
 
 def test_310p_long_prompt_uses_the_compressed_path(tiny_ckpt):
