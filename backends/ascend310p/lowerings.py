@@ -6,10 +6,12 @@ they are the quirk-faithful emulation; this module must not know which.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from backends.ascend310p import device_ops as device
-from backends.common import hc, moe
+from backends.common import attention, dense, hc, moe
 from lib.distributed import process_group as parallel
 from lib.records.expert_placement import ExpertPlacement
 from lib.quant.runtime_formats import W8A8, PackedFP4, packed_fp4_to_w8a8, quantize_rows
@@ -23,12 +25,19 @@ def rms_norm(x, weight, eps: float):
     return y
 
 
+_rms = dense.gamma_rms(device.npu_rms_norm)     # the unweighted and fp32 RMSs too, one npu_rms_norm each
+
+
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
-    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
 
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
-    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
+
+
+head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound
+compress = functools.partial(attention.compress, rms=_rms)
 
 
 def linear_w8a8(x, weight: W8A8):

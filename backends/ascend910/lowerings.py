@@ -6,10 +6,12 @@ are W4A8 grouped matmuls between `npu_moe_init_routing_v2` and `npu_moe_token_un
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from backends.ascend910 import device_ops as device
-from backends.common import hc, moe, rope as common_rope
+from backends.common import attention, dense, hc, moe, rope as common_rope
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
 from lib.records.step_rope import StepRope
@@ -24,12 +26,19 @@ def rms_norm(x, weight, eps: float):
     return y
 
 
+_rms = dense.gamma_rms(device.npu_rms_norm)     # the unweighted and fp32 RMSs too, one npu_rms_norm each
+
+
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
-    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
 
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
-    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
+
+
+head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound
+compress = functools.partial(attention.compress, rms=_rms)
 
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:

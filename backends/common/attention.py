@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from backends.common import dense
 from backends.common.rope import rope
 from lib.distributed import process_group as parallel
 from lib.emulation import invariant_matmul as invariant
@@ -35,7 +36,7 @@ def index_block(queries: int, heads: int, dim: int) -> int:
 
 
 def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, ratio: int,
-             overlap: bool, eps: float, angles, rope_dim: int) -> CompressorPools:
+             overlap: bool, eps: float, angles, rope_dim: int, rms=dense.rms) -> CompressorPools:
     """h [T, d] -> the same pools with this step's entries (fp32 pooling, stored in the pool's
     dtype) and projection rows (fp32) written; `angles`: the step's RoPE of this table, whose entries
     of `ratio` rotate the completed entries at m * e."""
@@ -56,7 +57,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     valid = addr.step(("span_valid", ratio, span))[:, :, None]                 # pooled positions that exist
     weights = torch.softmax(torch.where(valid, gate, float("-inf")), dim=1)
     new = (weights * torch.where(valid, kv, 0.0)).sum(dim=1)                    # [K, Dc]
-    new = new * torch.rsqrt(new.square().mean(-1, keepdim=True) + eps) * norm.float()
+    new = rms(new, norm.float(), eps)                                           # fp32
     entries = rope(new, angles.entries[ratio], rope_dim)                        # at m * e
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     rows = addr.step(("ring", ring))

@@ -25,6 +25,40 @@ def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: 
     return torch.where(mine[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
+def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) (* weight) over the last dim, computed in fp32, returned in x's dtype:
+    the composite a device's one-kernel RMSNorm replaces (`rms=` of the composites here and in
+    backends/common/hc.py, attention.py)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.float()).to(x.dtype)
+
+
+_UNIT: dict = {}      # (n, dtype, device) -> ones(n)
+
+
+def unit_weight(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """ones(n): the gamma of an unweighted RMS through a kernel that requires one; made once per
+    (n, dtype, device), so a step launches no fill. Not kept when made while torch.export traces a
+    step (it would be the tracer's fake tensor)."""
+    key = (n, dtype, str(device))
+    if key in _UNIT:
+        return _UNIT[key]
+    ones = torch.ones(n, dtype=dtype, device=device)
+    if not torch.compiler.is_exporting():
+        _UNIT[key] = ones
+    return ones
+
+
+def gamma_rms(npu_rms_norm):
+    """`rms` as one call of torch_npu's `npu_rms_norm(x, gamma, epsilon) -> (y, rstd)`, whose gamma must
+    have x's dtype: the weight cast to it (a no-op where it has it), ones where there is none."""
+    def rms_kernel(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        gamma = unit_weight(x.shape[-1], x.dtype, x.device) if weight is None else weight.to(x.dtype)
+        return npu_rms_norm(x, gamma, eps)[0]
+    return rms_kernel
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / RMS(x) computed in fp32, returned in the weight's (compute) dtype."""
     xf = x.float()
@@ -32,10 +66,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.float()).to(weight.dtype)
 
 
-def head_rms_norm(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+def head_rms_norm(x: torch.Tensor, heads: int, eps: float, *, rms=rms) -> torch.Tensor:
     """[T, H*D] -> [T, H, D], unweighted RMS per head in fp32, back in x's dtype."""
-    xf = x.float().unflatten(-1, (heads, -1))
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms(x.unflatten(-1, (heads, -1)), None, eps)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

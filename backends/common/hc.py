@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from backends.common import dense
 from lib.emulation.invariant_matmul import matmul
 
 
@@ -15,15 +16,15 @@ def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
     return e.float().unsqueeze(1).expand(-1, streams, -1).contiguous()
 
 
-def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    flat = x.float().flatten(1)
-    return matmul(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps), fn.float().t())
+def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, rms=dense.rms) -> torch.Tensor:
+    """The unweighted RMS of the flattened streams (fp32, `rms`: a device's RMSNorm kernel or the composite), times fn^T."""
+    return matmul(rms(x.float().flatten(1), None, norm_eps), fn.float().t())
 
 
-def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype):
+def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype, rms=dense.rms):
     """X [T, n, d] (fp32) -> (u [T, d] in `dtype`, post [T, n], comb [T, n, n]) (fp32)."""
     n = x.shape[1]
-    m = _mix(x, fn, norm_eps)
+    m = _mix(x, fn, norm_eps, rms)
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
@@ -59,7 +60,7 @@ def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return post.float().unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.float(), x.float())
 
 
-def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float, *, dtype: torch.dtype) -> torch.Tensor:
-    m = _mix(x, fn, norm_eps)
+def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float, *, dtype: torch.dtype, rms=dense.rms) -> torch.Tensor:
+    m = _mix(x, fn, norm_eps, rms)
     pre = torch.sigmoid(scale.float() * m + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(dtype)

@@ -1,7 +1,8 @@
-"""Hygon DCU gfx936 (BW1000) device op: torch._int_mm, with exactly torch's signature, registered as the torch
-op dsv4gen::_int_mm.hip936. A ROCm torch that sees
-a gfx936 runs it for real; anywhere else a CPU emulation first applies the checks the ROCm build makes (torch's
-CPU kernel skips them), so M <= 16 raises here as it does on the DCU (L28).
+"""Hygon DCU gfx936 (BW1000) device ops: stock aten kernels of a ROCm torch, torch._int_mm and
+aten._fused_rms_norm, with exactly torch's signatures, registered as the torch ops dsv4gen::<op>.hip936.
+A ROCm torch that sees a gfx936 runs them for real; anywhere else a CPU emulation first applies the checks
+the ROCm build makes (torch's CPU kernels skip them), so `_int_mm` with M <= 16 raises here as it does on
+the DCU (L28).
 Must not know the model, tensor names, the planner, or any other chip.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lib.emulation.registered import device_op
 CHIP = "hip936"      # the overload name of its registered ops: torch.ops.dsv4gen.<op>.hip936
 
 # op -> lessons (data/porting-lessons.yaml) whose device behaviour the emulation reproduces
-DEVICE_OPS = MappingProxyType({"_int_mm": ("L28",)})
+DEVICE_OPS = MappingProxyType({"_int_mm": ("L28",), "_fused_rms_norm": ("L27",)})
 INT_MM_MIN_ROWS = 17  # L28: self.size(0) must be > 16; pad to 17 and slice the product back
 
 
@@ -36,6 +37,28 @@ def _int_mm(self, mat2):
         return torch._int_mm(self, mat2)
     _check_int_mm(self, mat2)
     return torch._int_mm(self, mat2) if hasattr(torch, "_int_mm") else emu.int_matmul(self, mat2)
+
+
+@device_op("_fused_rms_norm", CHIP)
+def _fused_rms_norm(input, normalized_shape, weight, eps):  # noqa: A002 - torch's name
+    """RMSNorm over the trailing `normalized_shape` dims as one kernel: (y in input's dtype, rstd fp32 with
+    those dims kept as 1). torch >= 2.9 dispatches it to its CUDA kernel, which a ROCm build compiles
+    (native_functions.yaml: `_fused_rms_norm` CUDA: _fused_rms_norm_cuda); the statistics and the product
+    are in fp32 (the kernel's accumulate type for bf16 / fp16). The weight is given in input's dtype
+    (the kernel reads gamma as the input's type; mixed dtypes are not relied on)."""
+    if real_gfx936():
+        return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+    dims = tuple(range(-len(normalized_shape), 0))
+    if tuple(input.shape[input.dim() - len(normalized_shape):]) != tuple(normalized_shape):
+        raise RuntimeError(f"_fused_rms_norm: normalized_shape {list(normalized_shape)} is not the trailing shape "
+                           f"of input {tuple(input.shape)}")
+    if weight is not None and (weight.dtype != input.dtype or tuple(weight.shape) != tuple(normalized_shape)):
+        raise RuntimeError(f"_fused_rms_norm: weight {weight.dtype} {tuple(weight.shape)} must have input's dtype "
+                           f"{input.dtype} and shape {list(normalized_shape)}")
+    xf = input.float()
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + (torch.finfo(input.dtype).eps if eps is None else eps))
+    y = xf * rstd
+    return (y if weight is None else y * weight.float()).to(input.dtype), rstd
 
 
 def pad_rows_to(x: torch.Tensor, rows: int = INT_MM_MIN_ROWS, *, always: bool = False) -> torch.Tensor:

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from backends.common import hc, moe
+from backends.common import attention, dense, hc, moe
 from backends.hip936 import device_ops as device
 from lib.distributed import expert_exchange as ep
 from lib.emulation.invariant_matmul import matmul
@@ -23,12 +23,28 @@ from lib.quant.runtime_formats import W8A8, PackedFP4, quantize_rows
 DTYPE = torch.bfloat16
 
 
+def _rms(x, weight, eps: float):
+    """dense.rms as one `_fused_rms_norm` (fp32 statistics; the weight cast to x's dtype, a no-op where it has it)."""
+    return device._fused_rms_norm(x, [x.shape[-1]], None if weight is None else weight.to(x.dtype), eps)[0]
+
+
+def rms_norm(x, weight, eps: float):
+    """weight * x / RMS(x) in fp32, in the weight's (compute) dtype; an fp32 x is normalised before it is rounded."""
+    if x.dtype == weight.dtype:
+        return _rms(x, weight, eps)
+    return _rms(x.float(), weight, eps).to(weight.dtype)
+
+
+head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound
+compress = functools.partial(attention.compress, rms=_rms)
+
+
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
-    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_pre(x, fn, base, scale, iters, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
 
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
-    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE)
+    return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
 
 
 def shared_expert(x, w1, w3, w2, limit: float):

@@ -81,6 +81,11 @@ def _int_mm(self, mat2):
     return self.new_empty((self.shape[0], mat2.shape[1]), dtype=I32)
 
 
+def _fused_rms_norm(input, normalized_shape, weight, eps):  # noqa: A002 - torch's name
+    kept = input.shape[:input.dim() - len(normalized_shape)]
+    return input.new_empty(input.shape), input.new_empty((*kept, *[1] * len(normalized_shape)), dtype=F32)
+
+
 def npu_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps):
     t, n, d = x.shape
     return (x.new_empty((t, d), dtype=x.dtype), x.new_empty((t, n), dtype=F32), x.new_empty((t, n, n), dtype=F32))
@@ -97,5 +102,6 @@ def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, *unused
 
 FAKES = {f.__name__: f for f in (npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
-                                 npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm)}
+                                 npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm,
+                                 _fused_rms_norm)}
 NEEDS_SOC = frozenset({"npu_moe_init_routing_v2"})     # fakes whose shapes follow a chip quirk

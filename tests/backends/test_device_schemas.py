@@ -1,5 +1,5 @@
 """Device shim signatures of ascend310p / ascend910 / hip936: the recorded torch_npu 2.14.0 schemas parse,
-every shim has exactly its op's schema (and hip936 torch's live `_int_mm`), and on a real stack every
+every shim has exactly its op's schema (and hip936's the installed torch's live aten schemas), and on a real stack every
 argument is forwarded in schema form. CPU only; no torch_npu, no DCU.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import backends.hip936.device_ops as hip
 from lib.emulation import npu_ops as emu
 from lib.emulation import vllm_ascend_ops as fused
 from lib.emulation.registered import schema_of
-from lib.torch_ops.schemas import (NO_DEFAULT, SchemaParseError, check_signature, int_mm_schema, load_schemas,
+from lib.torch_ops.schemas import (NO_DEFAULT, SchemaParseError, aten_schema, check_signature, load_schemas,
                                     parse_schema, parse_schema_file)
 
 SCHEMAS = load_schemas()
@@ -80,10 +80,12 @@ def test_malformed_schema_names_source_and_piece(line, piece):
     assert "ops.txt:7" in str(e.value)
 
 
-def test_int_mm_schema_is_taken_live_from_torch():
-    s = int_mm_schema()
+def test_hip_schemas_are_taken_live_from_torch():
+    s = aten_schema("_int_mm")
     assert s.name == "_int_mm" and [p.name for p in s.params] == ["self", "mat2"]
     assert torch.__version__ in s.source and s.text.startswith("aten::_int_mm(")
+    rms = aten_schema("_fused_rms_norm")
+    assert [p.name for p in rms.params] == ["input", "normalized_shape", "weight", "eps"] and len(rms.returns) == 2
 
 
 def test_check_signature_catches_rename_default_star_and_varargs():
@@ -116,8 +118,9 @@ def test_shim_signature_is_the_recorded_schema(module, op):
     assert check_signature(getattr(module, op), schema_of(op)) == []
 
 
-def test_hip_shim_signature_is_torchs_live_int_mm_schema():
-    assert check_signature(hip._int_mm, int_mm_schema()) == []
+@pytest.mark.parametrize("op", sorted(hip.DEVICE_OPS))
+def test_hip_shim_signature_is_torchs_live_schema(op):
+    assert check_signature(getattr(hip, op), aten_schema(op)) == []
 
 
 @pytest.mark.parametrize("module", [p310, p910, hip])
@@ -146,10 +149,13 @@ def test_real_stack_gets_every_argument_in_schema_form(module, op, monkeypatch):
     assert calls == [(op, tuple(pos), kw)]
 
 
-def test_hip_real_stack_calls_torch_int_mm(monkeypatch):
+def test_hip_real_stack_calls_torchs_kernels(monkeypatch):
     monkeypatch.setattr(hip, "real_gfx936", lambda: True)
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: ("real", a, b))
     assert hip._int_mm.kernel("a", "b") == ("real", "a", "b")  # no emulated checks on the real stack
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    y, rstd = hip._fused_rms_norm.kernel(x, [8], None, 1e-6)       # the installed torch's aten op, unchecked
+    assert torch.equal(y, torch.ops.aten._fused_rms_norm(x, [8], None, 1e-6)[0]) and rstd.shape == (3, 1)
 
 
 def test_no_real_stack_here():
