@@ -9,14 +9,17 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 
-def _holds(limit, value: int) -> bool:
+def _holds(limit, value) -> bool:
+    """A list-valued key (compress_ratios) holds when every element does."""
+    if isinstance(value, (list, tuple)):
+        return all(_holds(limit, v) for v in value)
     return ((not limit.one_of or value in limit.one_of)
             and (limit.max is None or value <= limit.max)
             and (limit.multiple_of is None or value % limit.multiple_of == 0))
 
 
 def describe(limit) -> str:
-    """'hidden_size in {4096, 7168}', 'index_topk <= 2048', ..."""
+    """'hidden_size in {4096, 7168}', 'index_topk <= 2048', ... (of every element, for a list-valued key)"""
     parts = []
     if limit.one_of:
         parts.append(f"{limit.key} in {{{', '.join(map(str, limit.one_of))}}}" if len(limit.one_of) > 1

@@ -47,7 +47,8 @@ class OpLowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class FusedLimit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One shape limit of a fused kernel, on a key of the rank's config (spec/config.py RankConfig):
-    its value must be one of `one_of`, at most `max`, and a multiple of `multiple_of` (those given).
+    its value (every element of a list-valued key) must be one of `one_of`, at most `max`, and a
+    multiple of `multiple_of` (those given).
     `width`: a limit on a width only (a hidden size, a head count), which the emulation may relax
     to run the fused path at tiny widths (lib/emulation/relaxed.py); no other limit is ever relaxed."""
     key: str
@@ -102,6 +103,9 @@ class CacheGeometry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     logical_block_tokens: int       # positions per block-table entry the kernel reads
     reason: str
     lessons: tuple[LessonId, ...] = ()
+    # ring pools (per-sequence state) get a multiple of this many rows: a kernel that reads a ring as one
+    # paged block needs a block size it accepts (ascend910's fused attention: a multiple of 16)
+    ring_rows_multiple: int = 1
 
 
 class ExpertConversion(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -266,6 +270,9 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
     geo = prof.cache
     if geo is None:
         raise SpecError(f"{path}:1: missing required key 'cache' (block_tokens, logical_block_tokens, reason)")
+    if geo.ring_rows_multiple < 1:
+        raise SpecError(f"{path}:{lines.get(('cache', 'ring_rows_multiple'), '?')}: cache ring_rows_multiple "
+                        f"{geo.ring_rows_multiple} must be at least 1")
     if geo.logical_block_tokens <= 0 or geo.block_tokens <= 0 or geo.block_tokens % geo.logical_block_tokens:
         raise SpecError(f"{path}:{lines.get(('cache', 'block_tokens'), lines.get(('cache',), '?'))}: cache "
                         f"block_tokens {geo.block_tokens} must be a positive multiple of logical_block_tokens "

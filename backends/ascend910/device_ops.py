@@ -12,6 +12,7 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import npu_ops as emu
+from lib.emulation import sharedkv_attention as sas
 from lib.emulation import vllm_ascend_ops as fused
 from lib.emulation.npu_ops import BF16, F16, I8, I32, I64, INT4
 from lib.emulation.registered import device_op
@@ -33,6 +34,8 @@ DEVICE_OPS = MappingProxyType({
     "npu_hc_pre_v2": ("L22",),
     "npu_hc_post": ("L22",),
     "moe_gating_top_k_hash": ("L22",),
+    "npu_sparse_attn_sharedkv": ("L22",),
+    "npu_sparse_attn_sharedkv_metadata": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -137,6 +140,43 @@ def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, k_group
         return emu.forward(real, locals())
     return fused.moe_gating_top_k_hash(x, k, bias, input_ids, tid2eid, k_group, group_count, routed_scaling_factor,
                                        eps, group_select_mode, renorm, norm_type, out_flag)
+
+
+@device_op("npu_sparse_attn_sharedkv", CHIP, SOC)
+def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                             ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                             cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
+                             softmax_scale=0, cmp_ratio=0, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=128,
+                             ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False):
+    """vllm-ascend's DeepSeek-V4 attention (torch.ops._C_ascend): window KV, compressed entries and sinks in one
+    softmax over paged pools. The cu_seqlens of the KV are ignored for PA_ND (README.md:77); ori_sparse_indices
+    (DSpark drafting) and seqused_q are not used by the V4 layers and are refused here."""
+    if (real := fused.real_op("npu_sparse_attn_sharedkv")) is not None:
+        return emu.forward(real, locals())
+    emu.need(ori_sparse_indices is None and seqused_q is None and cu_seqlens_q is not None and seqused_kv is not None,
+             "npu_sparse_attn_sharedkv: the V4 layers pass cu_seqlens_q and seqused_kv, never ori_sparse_indices "
+             "or seqused_q")
+    return sas.sparse_attn_sharedkv(
+        q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=cmp_sparse_indices, ori_block_table=ori_block_table,
+        cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, sinks=sinks,
+        metadata=metadata, softmax_scale=softmax_scale, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
+        cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q,
+        layout_kv=layout_kv, return_softmax_lse=return_softmax_lse)
+
+
+@device_op("npu_sparse_attn_sharedkv_metadata", CHIP, SOC)
+def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                                      cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, batch_size=0,
+                                      max_seqlen_q=0, max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=4,
+                                      ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=128, ori_win_right=0,
+                                      layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True, has_cmp_kv=True, device="npu"):
+    """The attention kernel's tiling buffer (int32 [1024]) for one layer shape and step."""
+    if (real := fused.real_op("npu_sparse_attn_sharedkv_metadata")) is not None:
+        return emu.forward(real, locals())
+    return sas.metadata(num_heads_q, num_heads_kv, head_dim, batch_size=batch_size, cmp_topk=cmp_topk,
+                        cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode,
+                        ori_win_left=ori_win_left, ori_win_right=ori_win_right, layout_q=layout_q,
+                        layout_kv=layout_kv, has_cmp_kv=has_cmp_kv, device=None if device == "npu" else device)
 
 
 def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max):

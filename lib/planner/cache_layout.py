@@ -43,7 +43,8 @@ def cache_model(backend: str, cfg: ModelConfig) -> CacheModel:
     """The planner reads the profile itself (it plans before anything is built or loaded)."""
     prof = load_profile(backend)
     facts = BackendFacts(getattr(torch, prof.compute_dtype), prof.cache.block_tokens,
-                         prof.cache.logical_block_tokens, prof.ep_dispatch.mode)
+                         prof.cache.logical_block_tokens, prof.ep_dispatch.mode,
+                         ring_rows_multiple=prof.cache.ring_rows_multiple)
     return CacheModel(backend, cfg, facts, generated(backend).state, backbone(cfg), drafter(cfg))
 
 
@@ -67,7 +68,8 @@ class CacheLayout(NamedTuple):
         m = self.model
         return pool_shapes(m.state, m.cfg, m.layers, m.stages if self.rings else (),
                            compute_dtype=m.facts.compute_dtype, block_tokens=self.block_tokens,
-                           max_seqs=self.max_seqs, num_blocks=num_blocks, slack=self.slack)
+                           max_seqs=self.max_seqs, num_blocks=num_blocks, slack=self.slack,
+                           ring_multiple=m.facts.ring_rows_multiple)
 
     def total_bytes(self, num_blocks: int) -> int:
         return sum(s.bytes for s in self.pools(num_blocks))
@@ -126,10 +128,13 @@ class CacheLayout(NamedTuple):
         hca = [l for l in layers if l.attention == "hca"]
         ratio = {"csa": csa[0].ratio if csa else 0, "hca": hca[0].ratio if hca else 0}
         stages = len(self.model.stages) if self.rings else 0
+        rows = cfg.sliding_window + self.slack
+        held = next((s.shape[1] for s in self.pools(1) if s.item == "window"), rows)
+        window = f"{cfg.sliding_window} + {self.slack} rows" + (f" (held as {held})" if held != rows else "")
         return {"csa_entries": f"an entry per {ratio['csa']} positions, {len(csa)} CSA layers",
                 "hca_entries": f"an entry per {ratio['hca']} positions, {len(hca)} HCA layers",
                 "indexer_keys": f"a key per {ratio['csa']} positions, {len(csa)} CSA layers",
-                "window_ring": f"{cfg.sliding_window} + {self.slack} rows of raw KV, {len(layers)} layers",
+                "window_ring": f"{window} of raw KV, {len(layers)} layers",
                 "compressor_buffers": f"fp32 rows of unfinished windows, {len(csa) + len(hca)} CSA/HCA layers",
                 "draft_rings": f"{cfg.sliding_window} rows, {stages} drafter stages"}[kind]
 

@@ -96,8 +96,12 @@ class Addressing(NamedTuple):
     # this step's rows, built once for every layer (`with_step_rows`, on the host like vLLM's slot
     # mapping), not recomputed by each layer's ops: ("ring", R) [T], ("window", W, R) [T, W] and
     # ("window_mask", W) [T, W], ("span", m, n, R) [K, n] and ("span_pos", m, n) [K, n],
-    # ("entries", m) [S, E + ENTRY_PAD]
+    # ("entries", m) [S, E + ENTRY_PAD]; for a paged attention kernel ("query_start",) [S + 1] and
+    # ("seq_lens",) [S] int32 (cu_seqlens_q, seqused_kv) and ("window_table", R) [S, cdiv(max_len, R)]
+    # int32 (a window ring of R rows read as one block of R rows per sequence)
     rows: dict = {}
+    max_len: int = 0                  # positions the longest sequence reaches (a bucket: its max_len)
+    step_tokens: int = 0              # most tokens one sequence feeds this step (host int: chooses kernels)
 
     # ---- entries (block pools) -------------------------------------------------------------
     def entry_rows(self, ratio: int, seq: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -187,4 +191,17 @@ def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, wi
     for m in addr.max_entries:
         rows[("entries", m)] = addr.seq_entries(m, addr.max_entries[m] + ENTRY_PAD)[0]
         rows[("limit", m)] = ((positions + 1) // m).to(torch.int32)     # entries each token row may read
-    return addr._replace(rows=rows)
+    return addr._replace(rows=rows | kernel_rows(addr, window_rings))
+
+
+def kernel_rows(addr: Addressing, window_rings: set[int]) -> dict:
+    """The sequence metadata of a paged attention kernel (vllm-ascend's npu_sparse_attn_sharedkv):
+    cu_seqlens_q [S + 1], seqused_kv [S] (positions after this step) and, per window ring of R rows,
+    a block table [S, cdiv(max_len, R)] whose every entry is the sequence's slot: the kernel reads
+    position x at row x % R of block table[s, x // R], which is where the ring keeps x."""
+    lens = (addr.seq_end - addr.seq_start).to(torch.int32)
+    rows = {("query_start",): torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32))),
+            ("seq_lens",): addr.seq_end.to(torch.int32)}
+    for r in sorted(window_rings):
+        rows[("window_table", r)] = addr.seq_slot.to(torch.int32)[:, None].repeat(1, max(1, -(-addr.max_len // r)))
+    return rows

@@ -35,6 +35,7 @@ class BackendFacts(NamedTuple):
     logical_block_tokens: int        # positions per block-table entry the attention kernel reads (L19)
     ep_dispatch: str                 # default EP token exchange: "allgather" | "alltoall"
     fused: dict = {}                 # fused kernel name -> its shape limits (profile `fused`, spec/fused.py)
+    ring_rows_multiple: int = 1      # ring pools get a multiple of this many rows (profile cache)
 
 
 class Model(NamedTuple):
@@ -80,7 +81,7 @@ class Generated(NamedTuple):
     def facts(self) -> BackendFacts:
         p = self.package
         return BackendFacts(getattr(torch, p.COMPUTE_DTYPE), p.CACHE_BLOCK_TOKENS, p.CACHE_LOGICAL_BLOCK_TOKENS,
-                            p.EP_DISPATCH, dict(p.FUSED))
+                            p.EP_DISPATCH, dict(p.FUSED), p.CACHE_RING_ROWS_MULTIPLE)
 
 
 def generated(backend: str) -> Generated:

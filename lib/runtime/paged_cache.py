@@ -54,7 +54,8 @@ class PagedCache:
         self.factor = self.block_tokens // self.logical_block_tokens
         self.shapes = pool_shapes(model.state, model.cfg, model.layers, model.stages if rings else (),
                                   compute_dtype=facts.compute_dtype, block_tokens=self.block_tokens,
-                                  max_seqs=max_seqs, num_blocks=num_blocks, slack=slack)
+                                  max_seqs=max_seqs, num_blocks=num_blocks, slack=slack,
+                                  ring_multiple=facts.ring_rows_multiple)
         self.ratios = entry_ratios(self.shapes)
         self._alloc = {m: BlockAllocator(group_blocks(num_blocks, m, max_seqs)) for m in self.ratios}
         self._slots = BlockAllocator(max_seqs)
@@ -188,7 +189,7 @@ class PagedCache:
         tables, writes = [], {}
         for m in self.ratios:
             held = [seq.tables[m] for seq in seqs] + [[]] * pad
-            width = max(map(len, held)) if shape is None else -(-(shape.max_len // m) // self.block_tokens) * self.factor
+            width = max(1, *map(len, held)) if shape is None else -(-(shape.max_len // m) // self.block_tokens) * self.factor
             table = torch.tensor([t + [-1] * (width - len(t)) for t in held], dtype=torch.int32).view(len(held), width)
             tables.append(GroupTable(m, table))
             writes[m] = self._entry_writes(m, table, starts[:len(seqs)], ends, lo,
@@ -199,7 +200,8 @@ class PagedCache:
         state = Addressing(_rows_of(lens), torch.tensor([seq.slot for seq in seqs] + [self.max_seqs] * pad),
                            torch.tensor(starts, dtype=torch.int64), torch.tensor(all_ends, dtype=torch.int64),
                            torch.tensor(lo, dtype=torch.int64), tuple(tables), writes, max_entries, self.max_seqs,
-                           self.block_tokens, self.logical_block_tokens, self.sites)
+                           self.block_tokens, self.logical_block_tokens, self.sites,
+                           max_len=max(all_ends) if shape is None else shape.max_len, step_tokens=max(lens))
         state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window, **self._step_geometry)
         return batch._replace(state=state if self.device is None else state.to(self.device))
 

@@ -43,9 +43,10 @@ def group_blocks(num_blocks: int, ratio: int, max_seqs: int) -> int:
 
 
 def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block_tokens: int, max_seqs: int,
-                num_blocks: int, slack: int) -> list[PoolShape]:
+                num_blocks: int, slack: int, ring_multiple: int = 1) -> list[PoolShape]:
     """Every pool, backbone layers in schedule order, then each drafter stage's ring (`stages`:
-    the drafter's schedule, or () when nothing drafts)."""
+    the drafter's schedule, or () when nothing drafts); ring pools get a multiple of `ring_multiple`
+    rows (the profile's cache.ring_rows_multiple)."""
     out = []
     owners = [(f"layer{layer.index}", layer) for layer in layers] + [(f"stage{layer.stage}", layer) for layer in stages]
     for owner, layer in owners:
@@ -53,7 +54,8 @@ def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block
             dtype = compute_dtype if item.dtype == "compute" else getattr(torch, item.dtype)
             dim = item.dim(cfg, layer.ratio, slack)
             if item.lifetime == "sequence":
-                shape = (max_seqs + 1, item.rows(cfg, layer.ratio, slack), dim)
+                rows = item.rows(cfg, layer.ratio, slack)
+                shape = (max_seqs + 1, -(-rows // ring_multiple) * ring_multiple, dim)
             else:
                 shape = ((group_blocks(num_blocks, layer.ratio, max_seqs) + 1) * block_tokens, dim)
             out.append(PoolShape(owner, item.name, item.lifetime, layer.ratio, shape, dtype))

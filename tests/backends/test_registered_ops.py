@@ -77,7 +77,25 @@ def _i8(*shape, seed=0):
 
 
 # inputs of the device ops the tiny checkpoint's steps do not call (other expert modes, in-place updates)
+def _sas_inputs(metadata_only: bool = False):
+    """npu_sparse_attn_sharedkv (and its tiling buffer) over one window block: a tiny model's window of 16 is not
+    the kernel's 128, so no tiny step calls it."""
+    cu, used = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    shape = {"cmp_ratio": 1, "ori_win_left": 127, "layout_q": "TND", "layout_kv": "PA_ND"}
+    meta_args = ((4, 1, 512, cu, None, None, None, used), {"batch_size": 1, "cmp_topk": 0, "has_cmp_kv": False,
+                                                          "device": "cpu", **shape})
+    if metadata_only:
+        return meta_args
+    meta = p910.npu_sparse_attn_sharedkv_metadata(*meta_args[0], **meta_args[1])
+    return ((torch.randn(2, 4, 512).bfloat16(),), {
+        "ori_kv": torch.randn(1, 144, 1, 512).bfloat16(), "ori_block_table": torch.zeros(1, 1, dtype=torch.int32),
+        "cu_seqlens_q": cu, "seqused_kv": used, "sinks": torch.zeros(4), "metadata": meta, "softmax_scale": 512 ** -0.5,
+        **shape})
+
+
 NOT_IN_A_STEP = {
+    "npu_sparse_attn_sharedkv": _sas_inputs,
+    "npu_sparse_attn_sharedkv_metadata": lambda: _sas_inputs(metadata_only=True),
     "npu_scatter_nd_update_": lambda: ((torch.zeros(4, 8, dtype=torch.float16), torch.tensor([[1], [3]]),
                                         torch.ones(2, 8, dtype=torch.float16)), {}),
     "npu_quant_matmul": lambda: ((_i8(3, 32), _i8(32, 16, seed=1), torch.full((16,), 0.01)), {"output_dtype": 5}),

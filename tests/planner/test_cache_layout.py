@@ -18,6 +18,7 @@ from lib.engine.cache_sizing import make_store
 from lib.planner.cache_layout import PER_POSITION, PER_SEQUENCE, layout
 from lib.planner.memory import Deployment
 from lib.planner.plan import make_plan
+from spec.profile import load_profile
 from spec.variants import variant_config
 
 MILLION = 1 << 20
@@ -85,7 +86,8 @@ def test_per_position_and_per_sequence_kinds(backend):
     csa, hca = 21, 20                                # flash-0731's compressed layers (ratio 4 and 128)
     assert per == {"csa_entries": csa * cfg.head_dim * compute / 4, "hca_entries": hca * cfg.head_dim * compute / 128,
                    "indexer_keys": csa * cfg.index_head_dim * compute / 4}
-    window = cfg.sliding_window + lay.slack
+    multiple = load_profile(backend).cache.ring_rows_multiple          # ascend910: 16, its fused attention's blocks
+    window = -(-(cfg.sliding_window + lay.slack) // multiple) * multiple
     assert fixed["window_ring"] == cfg.num_hidden_layers * window * cfg.head_dim * compute
     assert fixed["draft_rings"] == 3 * cfg.sliding_window * cfg.head_dim * compute     # no slack: committed only
     plain = layout(backend, cfg, speculative=False, max_seqs=16)

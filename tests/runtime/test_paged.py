@@ -323,12 +323,18 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
             assert torch.equal(rows, (pos % key[0]).to(torch.int32))
         elif kind == "limit":
             assert torch.equal(rows, ((pos + 1) // key[0]).to(torch.int32))
+        elif kind == "query_start":                    # a paged kernel's cu_seqlens_q and seqused_kv
+            assert rows.tolist() == [0, 3, 4] and torch.equal(addr.rows[("seq_lens",)], torch.tensor([16, 7]).int())
+        elif kind == "window_table":                   # every entry the sequence's slot, cdiv(max_len, R) wide
+            assert rows.dtype == torch.int32 and rows.shape == (2, -(-16 // key[0]))
+            assert torch.equal(rows, addr.seq_slot.int()[:, None].expand_as(rows))
     for m in addr.max_entries:
         ids = torch.arange(addr.max_entries[m] + 3).expand(seq.shape[0], -1)
         want = addr.entry_rows(m, seq[:, None].expand_as(ids).reshape(-1), ids.reshape(-1)).view(ids.shape)
         assert torch.equal(addr.entry_block(m, 0, ids.shape[1]), want)
         assert torch.equal(addr.entry_rows_of(m, ids), want)
     kinds = {k[0] for k in addr.rows}
-    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit"}
+    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit",
+                     "query_start", "seq_lens", "window_table"}
     with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
         addr.step(("ring", 999))

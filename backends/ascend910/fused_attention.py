@@ -1,0 +1,52 @@
+"""ascend910's fused DeepSeek-V4 attention (profile `fused: sparse_attn`): vllm-ascend's
+`npu_sparse_attn_sharedkv` over the paged pools, as its DeepSeek-V4 attention calls it (dsa_v1.py
+1481-1592 at commit 182b75ea84): q [T, H, D] "TND" with cu_seqlens_q, the window ring as "PA_ND" KV,
+the compressed entries through the ratio's block table, the indexer's top-k (CSA) or every complete
+entry (HCA), the sinks; its tiling buffer from `npu_sparse_attn_sharedkv_metadata` for the layer.
+
+The kernel reads only the pools, so the step's KV rows are written into the window ring first. A ring
+of R rows (a multiple of 16: profile cache.ring_rows_multiple) is one block of R rows per sequence, its
+block-table entries all the sequence's slot (Addressing `window_table`): position x is read at row
+x % R, which is where the ring keeps it. That holds while a sequence feeds at most R - W + 1 tokens a
+step (decode, a DSpark verify); a longer prefill chunk would overwrite window rows its own first
+queries read, so such a step takes the composite, as do pools the kernel cannot address (a ring whose
+rows are not a block size it takes, hybrid block geometry: pools built for another backend, such as
+conformance's recorded reference inputs). This module must not know whether the ops are the real
+kernels or the emulation.
+"""
+from __future__ import annotations
+
+import torch
+
+from backends.ascend910 import device_ops as device
+from backends.common import attention
+from lib.emulation.sharedkv_attention import TOPK
+
+DTYPE = torch.bfloat16
+
+
+def sparse_attention_fused(q, kv, batch, windows, entries, selection, sink, *, window: int, ratio: int):
+    """Window + compressed entries + sink in one kernel; returns (o [T, H, D] bf16, the window pool written)."""
+    addr, ring, d = batch.state, windows.shape[1], q.shape[-1]
+    addressable = all(n % 16 == 0 and n <= 1024 for n in (ring, addr.block_tokens)) and (
+        addr.block_tokens == addr.logical_block_tokens)      # the kernel's block sizes (tiling.cpp:1196, 1221)
+    if addr.step_tokens > ring - window + 1 or not addressable:
+        return attention.sparse_attention(q, kv, batch, windows, entries, selection, sink, window=window, ratio=ratio)
+    windows.view(-1, d).index_copy_(0, addr.step(("ring", ring)), kv.to(windows.dtype))
+    cmp = entries is not None
+    seq = {"cu_seqlens_q": addr.step(("query_start",)), "seqused_kv": addr.step(("seq_lens",))}
+    shape = {"cmp_ratio": ratio if cmp else 1, "ori_win_left": window - 1, "ori_win_right": 0,
+             "layout_q": "TND", "layout_kv": "PA_ND"}
+    meta = device.npu_sparse_attn_sharedkv_metadata(
+        q.shape[1], 1, d, **seq, batch_size=addr.seq_slot.shape[0], max_seqlen_q=addr.step_tokens,
+        max_seqlen_kv=addr.max_len, cmp_topk=0 if selection is None else TOPK, has_cmp_kv=cmp,
+        device=str(q.device), **shape)
+    table = addr.sites.group_of(addr.tables, ratio).table if cmp else None
+    if selection is not None and selection.shape[-1] < TOPK:    # the kernel reads 512 ids a row, up to the first -1
+        selection = torch.nn.functional.pad(selection, (0, TOPK - selection.shape[-1]), value=-1)
+    out, _ = device.npu_sparse_attn_sharedkv(
+        q.to(DTYPE), ori_kv=windows.view(-1, ring, 1, d), ori_block_table=addr.step(("window_table", ring)),
+        cmp_kv=entries.view(-1, addr.block_tokens, 1, d) if cmp else None, cmp_block_table=table,
+        cmp_sparse_indices=None if selection is None else selection.unsqueeze(1), sinks=sink.float(), metadata=meta,
+        softmax_scale=d ** -0.5, **seq, **shape)
+    return out, windows
