@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import torch
 
+from lib.emulation import lightning_indexer as indexer
 from lib.emulation import npu_ops as emu
 from lib.emulation import sharedkv_attention as sas
 from lib.emulation import vllm_ascend_ops as fused
@@ -36,6 +37,7 @@ DEVICE_OPS = MappingProxyType({
     "moe_gating_top_k_hash": ("L22",),
     "npu_sparse_attn_sharedkv": ("L22",),
     "npu_sparse_attn_sharedkv_metadata": ("L22",),
+    "npu_lightning_indexer": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -140,6 +142,21 @@ def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, k_group
         return emu.forward(real, locals())
     return fused.moe_gating_top_k_hash(x, k, bias, input_ids, tid2eid, k_group, group_count, routed_scaling_factor,
                                        eps, group_select_mode, renorm, norm_type, out_flag)
+
+
+@device_op("npu_lightning_indexer", CHIP, SOC)
+def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                          block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
+                          pre_tokens=9223372036854775807, next_tokens=9223372036854775807, return_value=False):
+    """torch_npu's DSA indexer: per query, the top sparse_count keys by sum_h w_h relu(q_h . k), highest first."""
+    if (real := emu.real_npu_op("npu_lightning_indexer")) is not None:
+        return emu.forward(real, locals())
+    emu.need(pre_tokens == next_tokens == 2 ** 63 - 1, "npu_lightning_indexer: pre_tokens / next_tokens take only "
+             "their defaults")
+    return indexer.lightning_indexer(query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
+                                     actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
+                                     layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
+                                     sparse_mode=sparse_mode, return_value=return_value)
 
 
 @device_op("npu_sparse_attn_sharedkv", CHIP, SOC)

@@ -1,4 +1,5 @@
-"""ascend910's fused DeepSeek-V4 attention (profile `fused: sparse_attn`): vllm-ascend's
+"""ascend910's fused DeepSeek-V4 indexer and attention. The indexer (profile `fused: indexer`) is torch_npu's
+`npu_lightning_indexer` over the indexer's compressed keys. The attention (profile `fused: sparse_attn`) is vllm-ascend's
 `npu_sparse_attn_sharedkv` over the paged pools, as its DeepSeek-V4 attention calls it (dsa_v1.py
 1481-1592 at commit 182b75ea84): q [T, H, D] "TND" with cu_seqlens_q, the window ring as "PA_ND" KV,
 the compressed entries through the ratio's block table, the indexer's top-k (CSA) or every complete
@@ -20,9 +21,28 @@ import torch
 
 from backends.ascend910 import device_ops as device
 from backends.common import attention
+from lib.distributed import process_group as parallel
 from lib.emulation.sharedkv_attention import TOPK
 
 DTYPE = torch.bfloat16
+
+
+def index_select_fused(q, weights, batch, keys, *, topk: int, ratio: int, weight_scale: float, group=None):
+    """torch_npu's npu_lightning_indexer (profile `fused: indexer`) -> [T, topk] int32 sequence-local entry ids,
+    the highest scores first, -1 trailing. Every token row is its own batch of one query (cumulative query
+    lengths 1..T), its keys its sequence's entries through that sequence's block table, as many as it may
+    read ((p + 1) // ratio): the kernel's causal rule then sees exactly those, whatever the step's mix of
+    sequences and drafts. The weights carry the scale (the kernel has none), in q's dtype as the kernel
+    requires."""
+    q, weights = parallel.gather_heads(q, weights, group)
+    addr = batch.state
+    ws = (weights.float() * weight_scale).to(DTYPE)
+    ids, _ = device.npu_lightning_indexer(
+        q.to(DTYPE), keys.view(-1, addr.block_tokens, 1, q.shape[-1]), ws,
+        actual_seq_lengths_query=addr.step(("row_ends",)), actual_seq_lengths_key=addr.step(("limit", ratio)),
+        block_table=addr.step(("row_table", ratio)), layout_query="TND", layout_key="PA_BSND", sparse_count=topk,
+        sparse_mode=3)
+    return ids[:, 0, :]
 
 
 def sparse_attention_fused(q, kv, batch, windows, entries, selection, sink, *, window: int, ratio: int):

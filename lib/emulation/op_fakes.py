@@ -100,6 +100,10 @@ def moe_gating_top_k_hash(x, k, bias=None, input_ids=None, tid2eid=None, *unused
     return (x.new_empty((rows, k)), x.new_empty((rows, k), dtype=I32), x.new_empty((rows, experts), dtype=F32))
 
 
+def npu_lightning_indexer(query, key, weights, *, sparse_count=2048, **unused):
+    return query.new_empty((query.shape[0], key.shape[2], sparse_count), dtype=I32), query.new_empty(0)
+
+
 def npu_sparse_attn_sharedkv(q, **unused):
     return q.new_empty(q.shape), q.new_empty((*q.shape[:-1], 1), dtype=F32)
 
@@ -108,7 +112,7 @@ def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, cu_se
     return torch.empty(1024, dtype=I32, device=None if cu_seqlens_q is None else cu_seqlens_q.device)
 
 
-FAKES = {f.__name__: f for f in (npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+FAKES = {f.__name__: f for f in (npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
                                  npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm,
                                  _fused_rms_norm)}

@@ -265,7 +265,8 @@ CATALOGUE: dict[str, Injection] = {
                      rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions"}),
                      min_context=state.C01_SHOWS_FROM),
     "C02": Injection("C02", "indexer top-k restarted per block of entries (only the last block's survives)", ALL,
-                     rewrite=_rewrite(calls={"index_select": "lib.porting.state_faults:last_block_top_k"}),
+                     rewrite=_rewrite(calls={"index_select": "lib.porting.state_faults:last_block_top_k",
+                                             "index_select@indexer": "lib.porting.state_faults:last_block_top_k"}),
                      min_context=state.C02_SHOWS_FROM),
 }
 

@@ -98,7 +98,9 @@ class Addressing(NamedTuple):
     # ("window_mask", W) [T, W], ("span", m, n, R) [K, n] and ("span_pos", m, n) [K, n],
     # ("entries", m) [S, E + ENTRY_PAD]; for a paged attention kernel ("query_start",) [S + 1] and
     # ("seq_lens",) [S] int32 (cu_seqlens_q, seqused_kv) and ("window_table", R) [S, cdiv(max_len, R)]
-    # int32 (a window ring of R rows read as one block of R rows per sequence)
+    # int32 (a window ring of R rows read as one block of R rows per sequence); for an indexer kernel
+    # that takes every token row as its own batch, ("row_ends",) [T] int32 (1..T) and ("row_table", m)
+    # [T, n] int32 (each row's sequence's block table of ratio m)
     rows: dict = {}
     max_len: int = 0                  # positions the longest sequence reaches (a bucket: its max_len)
     step_tokens: int = 0              # most tokens one sequence feeds this step (host int: chooses kernels)
@@ -204,4 +206,7 @@ def kernel_rows(addr: Addressing, window_rings: set[int]) -> dict:
             ("seq_lens",): addr.seq_end.to(torch.int32)}
     for r in sorted(window_rings):
         rows[("window_table", r)] = addr.seq_slot.to(torch.int32)[:, None].repeat(1, max(1, -(-addr.max_len // r)))
+    rows[("row_ends",)] = torch.arange(1, addr.row_seq.shape[0] + 1, dtype=torch.int32)
+    for group in addr.tables:
+        rows[("row_table", group.ratio)] = group.table.index_select(0, addr.row_seq)
     return rows

@@ -1,6 +1,7 @@
-"""ascend910's fused DeepSeek-V4 attention (profile `fused: sparse_attn`, backends/ascend910/fused_attention.py):
-its limits on the Flash configuration, the emulated npu_sparse_attn_sharedkv against the composite over the
-same pools, its refusals, and a tiny model with Flash's window and top-k through the real loader (B21)."""
+"""ascend910's fused DeepSeek-V4 attention and indexer (profile `fused: sparse_attn`, `fused: indexer`;
+backends/ascend910/fused_attention.py): their limits on the Flash configuration, the emulated
+npu_sparse_attn_sharedkv and npu_lightning_indexer against the composites over the same pools, their
+refusals, and a tiny model with Flash's window and compress ratios through the real loader (B21)."""
 from __future__ import annotations
 
 import pytest
@@ -138,3 +139,72 @@ def test_a_captured_step_replays_the_fused_kernel_as_eager_runs_it(long_tiny):
         model = load_model(long_tiny, "ascend910")
         check = check_bucket(model, 4, tokens=6, steps=3, max_len=512)
     assert "sparse_attn" in model.cfg.fused and check.identical == check.steps == 3 and check.rows_identical, check
+
+
+INDEXER = PROFILE.fused["indexer"].limits.values()
+
+
+def test_flash_meets_the_indexer_limits():
+    assert unmet(INDEXER, RankConfig.of(variant_config("flash-0731"))) == []
+    assert unmet(INDEXER, RankConfig.of(variant_config("flash-0731", {"index_topk": 4096}))) == [
+        "index_topk <= 2048 (found 4096)"]
+    assert {lim.key for lim in INDEXER if lim.width} == {"index_n_heads", "index_head_dim"}
+
+
+def test_the_indexer_kernel_selects_what_the_composite_selects(long_tiny):
+    """The same step's indexer calls through the kernel and the composite: the same entries (the kernel orders
+    them by score, the composite by id), -1 trailing in both; one kernel launch a CSA layer."""
+    import backends.ascend910.fused_attention as module
+    from backends.ascend910.fused_attention import index_select_fused
+
+    seen = []
+
+    def both(q, weights, batch, keys, *, topk, ratio, weight_scale, group=None):
+        got = index_select_fused(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
+        want = attention.index_select(q, weights, batch, keys, topk=topk, ratio=ratio, weight_scale=weight_scale)
+        seen.append((got, want))
+        return got
+
+    with relaxed_widths():
+        model = load_model(long_tiny, "ascend910")
+        assert "indexer" in model.cfg.fused
+        store = PagedCache.for_lengths(model, [400], slack=6)
+        store.add(0)
+        _step(model, store, [20 + (i * 11) % 90 for i in range(380)], 0)
+        module.index_select_fused, original = both, module.index_select_fused
+        try:
+            _step(model, store, [7, 15, 15, 15, 15, 15], 380)
+        finally:
+            module.index_select_fused = original
+        guard = CapabilityGuard(rules_from_profile(PROFILE), mode="count")
+        with guard:
+            _step(model, store, [7], 386, last_only=True)
+    csa = sum(layer.attention == "csa" for layer in model.layers)
+    assert len(seen) == csa and guard.report().total.launches["npu_lightning_indexer"] == csa
+    for got, want in seen:
+        assert got.dtype == torch.int32 and got.shape == want.shape
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)          # the same entries (and -1s)
+        live = got >= 0
+        assert torch.equal(live, live.cummin(-1).values)                        # -1 only trailing
+
+
+def test_the_indexer_kernel_refuses_what_the_device_refuses():
+    t, d = 3, 128
+    ends, lens = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([5, 6, 7], dtype=torch.int32)
+    table = torch.zeros(3, 1, dtype=torch.int32)
+
+    def call(q=None, w=None, count=4, **kw):
+        q = torch.randn(t, 64, d).bfloat16() if q is None else q
+        w = torch.randn(t, q.shape[1]).bfloat16() if w is None else w
+        return p910.npu_lightning_indexer(q, torch.randn(1, 16, 1, q.shape[-1]).bfloat16(), w,
+                                          actual_seq_lengths_query=ends, actual_seq_lengths_key=lens,
+                                          block_table=table, layout_query="TND", layout_key="PA_BSND",
+                                          sparse_count=count, **kw)
+    ids, _ = call()
+    assert ids.shape == (3, 1, 4) and ids.dtype == torch.int32 and bool((ids[:, 0, :] >= 0).all())
+    with pytest.raises(ValueError, match="8 heads of 128"):
+        call(q=torch.randn(t, 8, d).bfloat16())
+    with pytest.raises(ValueError, match="must share fp16 or bf16"):
+        call(w=torch.randn(t, 64))
+    with pytest.raises(ValueError, match="sparse_count 4096"):
+        call(count=4096)

@@ -325,6 +325,10 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
             assert torch.equal(rows, ((pos + 1) // key[0]).to(torch.int32))
         elif kind == "query_start":                    # a paged kernel's cu_seqlens_q and seqused_kv
             assert rows.tolist() == [0, 3, 4] and torch.equal(addr.rows[("seq_lens",)], torch.tensor([16, 7]).int())
+        elif kind == "row_ends":                       # each token row its own batch of one query
+            assert rows.tolist() == [1, 2, 3, 4]
+        elif kind == "row_table":
+            assert torch.equal(rows, addr.sites.group_of(addr.tables, key[0]).table[seq])
         elif kind == "window_table":                   # every entry the sequence's slot, cdiv(max_len, R) wide
             assert rows.dtype == torch.int32 and rows.shape == (2, -(-16 // key[0]))
             assert torch.equal(rows, addr.seq_slot.int()[:, None].expand_as(rows))
@@ -335,6 +339,6 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
         assert torch.equal(addr.entry_rows_of(m, ids), want)
     kinds = {k[0] for k in addr.rows}
     assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit",
-                     "query_start", "seq_lens", "window_table"}
+                     "query_start", "seq_lens", "window_table", "row_ends", "row_table"}
     with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
         addr.step(("ring", 999))
