@@ -22,7 +22,7 @@ import torch
 from backends.ascend910 import device_ops as device
 from backends.common import attention
 from lib.distributed import process_group as parallel
-from lib.emulation.sharedkv_attention import TOPK
+from lib.emulation.sharedkv_attention import TOPK, paged_block_ok
 
 DTYPE = torch.bfloat16
 
@@ -48,8 +48,8 @@ def index_select_fused(q, weights, batch, keys, *, topk: int, ratio: int, weight
 def sparse_attention_fused(q, kv, batch, windows, entries, selection, sink, *, window: int, ratio: int):
     """Window + compressed entries + sink in one kernel; returns (o [T, H, D] bf16, the window pool written)."""
     addr, ring, d = batch.state, windows.shape[1], q.shape[-1]
-    addressable = all(n % 16 == 0 and n <= 1024 for n in (ring, addr.block_tokens)) and (
-        addr.block_tokens == addr.logical_block_tokens)      # the kernel's block sizes (tiling.cpp:1196, 1221)
+    addressable = paged_block_ok(ring) and paged_block_ok(addr.block_tokens) and (
+        addr.block_tokens == addr.logical_block_tokens)
     if addr.step_tokens > ring - window + 1 or not addressable:
         return attention.sparse_attention(q, kv, batch, windows, entries, selection, sink, window=window, ratio=ratio)
     windows.view(-1, d).index_copy_(0, addr.step(("ring", ring)), kv.to(windows.dtype))

@@ -59,11 +59,10 @@ def gamma_rms(npu_rms_norm):
     return rms_kernel
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / RMS(x) computed in fp32, returned in the weight's (compute) dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(weight.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, rms=rms) -> torch.Tensor:
+    """weight * x / RMS(x) computed in fp32, returned in the weight's (compute) dtype; an x of another dtype
+    (fp32 streams) is normalised before it is rounded."""
+    return rms(x, weight, eps) if x.dtype == weight.dtype else rms(x.float(), weight, eps).to(weight.dtype)
 
 
 def head_rms_norm(x: torch.Tensor, heads: int, eps: float, *, rms=rms) -> torch.Tensor:

@@ -28,14 +28,8 @@ def _rms(x, weight, eps: float):
     return device._fused_rms_norm(x, [x.shape[-1]], None if weight is None else weight.to(x.dtype), eps)[0]
 
 
-def rms_norm(x, weight, eps: float):
-    """weight * x / RMS(x) in fp32, in the weight's (compute) dtype; an fp32 x is normalised before it is rounded."""
-    if x.dtype == weight.dtype:
-        return _rms(x, weight, eps)
-    return _rms(x.float(), weight, eps).to(weight.dtype)
-
-
-head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound
+rms_norm = functools.partial(dense.rms_norm, rms=_rms)                 # the ops' lowerings with the kernel bound
+head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)
 compress = functools.partial(attention.compress, rms=_rms)
 
 

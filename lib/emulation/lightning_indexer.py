@@ -19,6 +19,7 @@ import torch
 
 from lib.emulation.npu_ops import BF16, F16, I32, need
 from lib.emulation.relaxed import widths_relaxed
+from lib.emulation.sharedkv_attention import paged_block_ok
 
 HEADS, HEAD_DIM, MAX_COUNT = 64, 128, 2048
 
@@ -36,7 +37,7 @@ def _check(query, key, weights, lengths_q, lengths_k, block_table, layouts, spar
     need((n1 == HEADS and d == HEAD_DIM) or widths_relaxed(),
          f"{op}: {n1} heads of {d}; the kernel takes {HEADS} heads of {HEAD_DIM}")
     need(tuple(weights.shape) == (t, n1), f"{op}: weights must be [T, N1] = {(t, n1)}, found {tuple(weights.shape)}")
-    need(key.shape[1] % 16 == 0 and key.shape[1] <= 1024,
+    need(paged_block_ok(key.shape[1]),
          f"{op}: key block size {key.shape[1]}; it must be a multiple of 16 and at most 1024")
     need(1 <= sparse_count <= MAX_COUNT, f"{op}: sparse_count {sparse_count} outside 1..{MAX_COUNT}")
     for name, x in (("actual_seq_lengths_query", lengths_q), ("actual_seq_lengths_key", lengths_k),

@@ -1,6 +1,6 @@
 """`@device_op(name, chip)`: a device module's shim registered as the torch op `dsv4gen::<name>.<chip>`
 with the recorded schema of `name` (torch_npu 2.14.0's, vllm-ascend's DeepSeek-V4 custom ops', or the installed
-the installed torch's for hip936's aten kernels) and
+torch's for hip936's aten kernels) and
 its fake kernel (lib/emulation/op_fakes.py). The schema comes from the record, never from the
 Python signature, so a shim whose signature drifts from it fails when torch binds its arguments.
 """
@@ -10,7 +10,7 @@ import functools
 
 from lib.emulation import op_fakes
 from lib.torch_ops import registry
-from lib.torch_ops.schemas import ATEN_DEVICE_OPS, VLLM_ASCEND_FILE, aten_schema, load_schemas
+from lib.torch_ops.schemas import VLLM_ASCEND_FILE, aten_schema, load_schemas
 
 
 @functools.lru_cache(maxsize=1)
@@ -21,8 +21,10 @@ def _schemas() -> dict:
 
 
 def schema_of(name: str):
-    """The recorded schema a device op is registered with."""
-    return aten_schema(name) if name in ATEN_DEVICE_OPS else _schemas()[name]
+    """The recorded schema a device op is registered with; a name not recorded is a stock aten kernel (hip936's),
+    whose schema is the installed torch's (an unknown name raises there, naming the torch version)."""
+    recorded = _schemas()
+    return recorded[name] if name in recorded else aten_schema(name)
 
 
 def device_op(name: str, chip: str, soc: str | None = None):

@@ -32,6 +32,12 @@ HEAD_DIM = 512               # DIM_LIMIT (op_host/sparse_attn_sharedkv_tiling.h:
 METADATA_INTS = 1024         # the tiling buffer (torch_binding.cpp OUTPUT_SIZE; tiling.cpp:1256)
 RATIOS = (4, 128)            # cmp_ratio whenever cmp_kv is given (tiling.cpp:1268)
 TOPK = 512                   # cmp_sparse_indices width, "only 512" (README.md:65)
+def paged_block_ok(n: int) -> bool:
+    """A paged KV block size these kernels take: a multiple of 16, at most 1024 (sparse_attn_sharedkv
+    tiling.cpp:1196, 1221; lightning_indexer tiling: the same limits)."""
+    return n % 16 == 0 and n <= 1024
+
+
 _TILED = ("num_heads_q", "head_dim", "batch_size", "cmp_topk", "cmp_ratio", "ori_win_left", "ori_win_right",
           "has_cmp_kv")     # the arguments recorded in the emulated buffer, in this order
 
@@ -67,7 +73,7 @@ def _check(q, ori_kv, cmp_kv, indices, sinks, meta, tables, *, cmp_ratio, ori_wi
         if kv is not None:
             need(kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == d and kv.dtype == q.dtype,
                  f"{op}: {name} must be {q.dtype} [blocks, block_size, 1, {d}], found {kv.dtype} {tuple(kv.shape)}")
-            need(kv.shape[1] % 16 == 0 and kv.shape[1] <= 1024,
+            need(paged_block_ok(kv.shape[1]),
                  f"{op}: {name} block size {kv.shape[1]}; it must be a multiple of 16 and at most 1024")
     need(ori_kv is not None and tables["ori_block_table"] is not None,
          f"{op}: ori_kv and ori_block_table are required (the sliding window)")

@@ -185,16 +185,21 @@ def _reference_greedy(ref: Model, prompt: list[int], steps: int, recorded: list)
     return out, store.live_rows(seqs[0])
 
 
+def fused_widths(inject: str | None):
+    """The fused kernels' width limits relaxed for the emulation, unless the injected bug is skipping them (F02)."""
+    from lib.porting.faults import CATALOGUE
+
+    strict = inject in CATALOGUE and CATALOGUE[inject].strict_widths
+    return contextlib.nullcontext() if strict else relaxed_widths()
+
+
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
         inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None,
         stop_on_failure: bool = False, stages: Stages | None = None) -> Report:
     """All conformance checks of `backend` (see `_run`), with the fused kernels' width limits relaxed
     for the emulation (lib/emulation/relaxed.py): at tiny widths the device runs the fused kernels
     its profile would choose for the real model, every other limit of theirs still checked."""
-    from lib.porting.faults import CATALOGUE
-
-    strict = inject in CATALOGUE and CATALOGUE[inject].strict_widths    # F02: skipping the limit is the bug
-    with contextlib.nullcontext() if strict else relaxed_widths():
+    with fused_widths(inject):
         return _run(backend, model_path, steps, prompt_len, ep_sim, inject, expert_mode, reference,
                     stop_on_failure, stages)
 

@@ -20,17 +20,15 @@ many entries CSA chose among and HCA attended at the last step (at least N/4 and
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 
 from codegen.lower import Rewrite
 from lib.console.stages import Stages
-from lib.emulation.relaxed import relaxed_widths
 from lib.guard.capability import CapabilityGuard, rules_from_profile
-from lib.porting.conformance import (Check, Report, device_sublayers, guard_check, logit_checks, prompt_ids,
-                                     sublayer_checks)
+from lib.porting.conformance import (Check, Report, device_sublayers, fused_widths, guard_check, logit_checks,
+                                     prompt_ids, sublayer_checks)
 from lib.porting.conformance_ops import SELECTION_MISMATCH
 from lib.porting.conformance_paged import new_store, recording_step, state_check
 from lib.porting.rendering import rendered
@@ -93,10 +91,7 @@ def run(backend: str, model_path, context: int, steps: int = 8, chunk: int = 102
     run): the tiny-long preset meets every other limit of ascend910's fused attention, which the
     device's decode steps then run. With `stop_on_failure` the report ends when the replays fail,
     before the device's own long run."""
-    from lib.porting.faults import CATALOGUE
-
-    strict = inject in CATALOGUE and CATALOGUE[inject].strict_widths
-    with contextlib.nullcontext() if strict else relaxed_widths():
+    with fused_widths(inject):
         return _run(backend, model_path, context, steps, chunk, ep_sim, inject, expert_mode, reference,
                     stop_on_failure, stages)
 

@@ -214,10 +214,6 @@ def torch_schemas(qualified_name: str) -> dict[str, Schema]:
     return {s.name: s for s in (parse_schema(str(f), f"torch {torch.__version__} live") for f in found)}
 
 
-# hip936's device ops are stock aten kernels of a ROCm torch; their schemas are the installed torch's
-ATEN_DEVICE_OPS = ("_int_mm", "_fused_rms_norm")
-
-
 def aten_schema(name: str) -> Schema:
     """An aten op's schema as the installed torch declares it (`_int_mm`, `_fused_rms_norm`: hip936's device ops)."""
     return torch_schemas(f"aten::{name}")[name]
