@@ -106,7 +106,7 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
 def _limit_line(limit) -> str:
     """One fused-kernel limit as a FusedLimit(...) expression of the generated package."""
     fields = {"key": limit.key, "reason": limit.reason, "source": limit.source}
-    fields |= {k: getattr(limit, k) for k in ("one_of", "max", "multiple_of", "width")
+    fields |= {k: getattr(limit, k) for k in ("one_of", "min", "max", "multiple_of", "width")
                if getattr(limit, k) not in ((), None, False)}
     return "FusedLimit(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
@@ -129,7 +129,7 @@ def _state_line(d) -> str:
     """One declared state item as a StateItem(...) expression of the generated package."""
     rows = "None" if d.rows is None else f"lambda cfg, ratio, slack: {as_python(d.rows)}"
     return (f"StateItem({d.name!r}, {d.kinds!r}, {d.lifetime!r}, {rows}, "
-            f"lambda cfg, ratio, slack: {as_python(d.dim)}, {d.dtype!r}),")
+            f"lambda cfg, ratio, slack: {as_python(d.dim)}, {d.dtype!r}{', True' if d.slot0_unused else ''}),")
 
 
 def render_into(backend: str, rewrite: Rewrite, folder: Path) -> Path:

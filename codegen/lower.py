@@ -176,6 +176,7 @@ class _Lowerer:
                 rewritten = {k: self.kwarg(v) for k, v in self.rewrite.kwargs.get(step.op, {}).items()}
                 attrs = [f"{k}={v}" for k, v in {**step.attrs, **rewritten}.items()]
                 fmt = self.dispatch_format(step.op, step, scope, kind, where)
+                self.check_consumed(name, i, step, fmt, kind, where)
                 body += _assign(step.out, f"{self.call(step.op, fmt, fname)}(", args + attrs)
             elif step.loop is not None:
                 body += self.loop(step, args, where)
@@ -187,6 +188,27 @@ class _Lowerer:
         extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
         doc = prog.doc.strip() + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
         return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
+
+    def check_consumed(self, name: str, i: int, step, fmt: str | None, kind: dict[str, str], where: str) -> None:
+        """A lowering that overwrites an input in place (`consumes`) must get a value this program made and
+        nothing after the step reads: not a program input, a parameter or the cache, not a later step's
+        argument, not a result."""
+        prog = self.lg.graph.programs[name]
+        lows = [self.profile.lowering(step.op, fmt)] + ([f[1]] if (f := self.profile.fused_of(step.op)) else [])
+        for port in sorted({p for low in lows for p in low.consumes}):
+            if port not in step.args:
+                raise SpecError(f"{where}: backend '{self.profile.name}' declares op '{step.op}' consumes input "
+                                f"'{port}', which it does not have (inputs: {', '.join(step.args)})")
+            value = step.args[port]
+            if value in prog.inputs or not re.fullmatch(r"\w+", value):
+                raise SpecError(f"{where}: backend '{self.profile.name}' overwrites input '{port}' of op '{step.op}' "
+                                f"in place, but it is bound to '{value}', which this program did not make")
+            later = [(j, s) for j, s in enumerate(prog.steps) if j > i and s.when.matches(kind)
+                     and value in {_base(v) for v in s.args.values()}]
+            if later or value in prog.returns:
+                at = self.lg.where(name, later[0][0]) if later else "the program's results"
+                raise SpecError(f"{where}: backend '{self.profile.name}' overwrites input '{port}' of op '{step.op}' "
+                                f"in place, but '{value}' is read afterwards ({at})")
 
     def value(self, ref: str, env: set[str], pkeys: set[str], scope: str, where: str, kind: dict[str, str]) -> str:
         if ref == "none":
@@ -262,6 +284,11 @@ class _Lowerer:
             fields = [f"{k}={v.rstrip('?')}" for k, v in prog.updates.items() if v.rstrip("?") in env]
             out.append(f"cache._replace({', '.join(fields)})")
         return out
+
+
+def _base(ref: str) -> str:
+    """The value a step argument reads: 'entries?' -> 'entries', 'cache.window' -> 'cache', 'rope[x]' -> 'rope'."""
+    return re.split(r"[.\[?]", ref, maxsplit=1)[0]
 
 
 def _assign(targets: tuple[str, ...], head: str, args: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ def _holds(limit, value) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_holds(limit, v) for v in value)
     return ((not limit.one_of or value in limit.one_of)
+            and (limit.min is None or value >= limit.min)
             and (limit.max is None or value <= limit.max)
             and (limit.multiple_of is None or value % limit.multiple_of == 0))
 
@@ -24,6 +25,8 @@ def describe(limit) -> str:
     if limit.one_of:
         parts.append(f"{limit.key} in {{{', '.join(map(str, limit.one_of))}}}" if len(limit.one_of) > 1
                      else f"{limit.key} == {limit.one_of[0]}")
+    if limit.min is not None:
+        parts.append(f"{limit.key} >= {limit.min}")
     if limit.max is not None:
         parts.append(f"{limit.key} <= {limit.max}")
     if limit.multiple_of is not None:

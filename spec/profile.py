@@ -30,6 +30,8 @@ class Lowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     call: str | None = None                 # "module:function" with the op's port signature
     device_ops: tuple[str, ...] = ()        # device ops (backends/<name>/device_ops.py) that call launches
     lessons: tuple[LessonId, ...] = ()
+    consumes: tuple[str, ...] = ()          # input ports the lowering overwrites in place (the build checks that
+                                            # no later step of the program reads what is bound to them)
 
 
 class OpLowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -39,22 +41,24 @@ class OpLowering(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     call: str | None = None
     device_ops: tuple[str, ...] = ()
     lessons: tuple[LessonId, ...] = ()
+    consumes: tuple[str, ...] = ()
     by_format: dict[str, Lowering] = {}
 
     def single(self) -> Lowering:
-        return Lowering(self.impl, self.reason, self.call, self.device_ops, self.lessons)
+        return Lowering(self.impl, self.reason, self.call, self.device_ops, self.lessons, self.consumes)
 
 
 class FusedLimit(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One shape limit of a fused kernel, on a key of the rank's config (spec/config.py RankConfig):
-    its value (every element of a list-valued key) must be one of `one_of`, at most `max`, and a
-    multiple of `multiple_of` (those given).
+    its value (every element of a list-valued key) must be one of `one_of`, at least `min`, at most
+    `max`, and a multiple of `multiple_of` (those given).
     `width`: a limit on a width only (a hidden size, a head count), which the emulation may relax
     to run the fused path at tiny widths (lib/emulation/relaxed.py); no other limit is ever relaxed."""
     key: str
     reason: str
     source: str
     one_of: tuple[int, ...] = ()
+    min: int | None = None
     max: int | None = None
     multiple_of: int | None = None
     width: bool = False
@@ -303,8 +307,8 @@ def _check_fused(prof: Profile, path: Path, lines: dict, ops: dict) -> None:
             if limit.key not in keys:
                 raise SpecError(f"{where}: limit '{lid}' reads unknown config key '{limit.key}' "
                                 f"(accepted: {', '.join(sorted(keys))})")
-            if not (limit.one_of or limit.max is not None or limit.multiple_of is not None):
-                raise SpecError(f"{where}: limit '{lid}' sets none of one_of, max, multiple_of")
+            if not (limit.one_of or limit.min is not None or limit.max is not None or limit.multiple_of is not None):
+                raise SpecError(f"{where}: limit '{lid}' sets none of one_of, min, max, multiple_of")
         for op, low in kernel.ops.items():
             if op not in ops:
                 raise SpecError(f"{where}: unknown op '{op}' (accepted: {', '.join(sorted(ops))})")

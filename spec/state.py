@@ -29,6 +29,7 @@ class Declared(NamedTuple):
     dim: str                   # row width, an expression
     dtype: str                 # "compute" | "float32"
     why: str
+    slot0_unused: bool = False  # (sequence lifetime) one more slot, slot 0, never read or written
 
 
 def _config_names() -> set[str]:
@@ -47,6 +48,12 @@ def load_state(path: Path = STATE_FILE) -> tuple[Declared, ...]:
         missing = {"name", "kinds", "lifetime", "dim", "dtype", "why"} - set(item)
         if missing:
             raise ValueError(f"{where}: missing {', '.join(sorted(missing))}")
+        unknown = set(item) - {"name", "kinds", "lifetime", "rows", "dim", "dtype", "why", "slot0_unused"}
+        if unknown:
+            raise ValueError(f"{where}: unknown key {', '.join(sorted(unknown))}")
+        spare = item.get("slot0_unused", False)
+        if not isinstance(spare, bool) or (spare and item["lifetime"] != "sequence"):
+            raise ValueError(f"{where}: slot0_unused is true or false, and true only for sequence lifetime")
         bad = [k for k in item["kinds"] if k not in KINDS]
         if bad:
             raise ValueError(f"{where}: unknown layer kind '{bad[0]}' (accepted: {', '.join(KINDS)})")
@@ -66,7 +73,7 @@ def load_state(path: Path = STATE_FILE) -> tuple[Declared, ...]:
                 raise ValueError(f"{where}: '{item['name']}' is declared twice for layer kind '{kind}'")
             seen.add((item["name"], kind))
         out.append(Declared(item["name"], tuple(item["kinds"]), item["lifetime"], None if rows is None else str(rows),
-                            str(item["dim"]), item["dtype"], item["why"]))
+                            str(item["dim"]), item["dtype"], item["why"], spare))
     return tuple(out)
 
 

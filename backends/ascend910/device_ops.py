@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import torch
 
+from lib.emulation import compressor_kernel
 from lib.emulation import lightning_indexer as indexer
 from lib.emulation import npu_ops as emu
 from lib.emulation import sharedkv_attention as sas
@@ -30,7 +31,6 @@ DEVICE_OPS = MappingProxyType({
     "npu_moe_init_routing_v2": ("L06",),
     "npu_moe_token_unpermute": (),
     "npu_rms_norm": (),
-    "npu_rotary_mul": (),
     "npu_scatter_nd_update_": (),
     "npu_hc_pre_v2": ("L22",),
     "npu_hc_post": ("L22",),
@@ -38,6 +38,8 @@ DEVICE_OPS = MappingProxyType({
     "npu_sparse_attn_sharedkv": ("L22",),
     "npu_sparse_attn_sharedkv_metadata": ("L22",),
     "npu_lightning_indexer": ("L22",),
+    "compressor": ("L22",),
+    "inplace_partial_rotary_mul": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -101,13 +103,6 @@ def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_rms_norm")) is not None:
         return emu.forward(real, locals())
     return emu.rms_norm(input, gamma, epsilon, soc=SOC)
-
-
-@device_op("npu_rotary_mul", CHIP, SOC)
-def npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None):  # noqa: A002 - the schema's name
-    if (real := emu.real_npu_op("npu_rotary_mul")) is not None:
-        return emu.forward(real, locals())
-    return _rotary_mul(input, r1, r2, rotary_mode, rotate)
 
 
 @device_op("npu_scatter_nd_update_", CHIP, SOC)
@@ -196,6 +191,27 @@ def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, cu_se
                         layout_kv=layout_kv, has_cmp_kv=has_cmp_kv, device=None if device == "npu" else device)
 
 
+@device_op("compressor", CHIP, SOC)
+def compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, state_block_table, cu_seqlens, seqused,
+               start_pos, rope_head_dim, cmp_ratio, coff, norm_eps, rotary_mode, cache_mode):
+    """vllm-ascend's DeepSeek-V4 compressor (torch.ops._C_ascend): projections into the paged state, then every
+    entry the step completes pooled, normalised and rotated, packed in batch order."""
+    if (real := fused.real_op("compressor")) is not None:
+        return emu.forward(real, locals())
+    return compressor_kernel.compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos,
+                                        state_block_table, cu_seqlens, seqused, start_pos, rope_head_dim, cmp_ratio,
+                                        coff, norm_eps, rotary_mode, cache_mode)
+
+
+@device_op("inplace_partial_rotary_mul", CHIP, SOC)
+def inplace_partial_rotary_mul(x, r1, r2, rotary_mode, partial_slice):
+    """vllm-ascend's in-place rotary on a channel slice (torch.ops._C_ascend): DeepSeek-V4's trailing rope channels
+    of q, kv and the attention output rotated where they are, no concatenation."""
+    if (real := fused.real_op("inplace_partial_rotary_mul")) is not None:
+        return emu.forward(real, locals())
+    return fused.inplace_partial_rotary_mul(x, r1, r2, rotary_mode, partial_slice)
+
+
 def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max):
     """Symmetric dynamic quantisation: scale = amax|x * smooth| / DTYPE_MAX (127 int8, 7 int4) over the token
     (pertoken, scale shape x.shape[:-1]), the tensor ([1]) or the channel ([H]); y = round(x * smooth / scale),
@@ -219,23 +235,3 @@ def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type
     q, s = emu.quantize_symmetric(x, 127 if dt == I8 else 7, dims[quant_mode], smooth)
     shape = {"pertoken": x.shape[:-1], "pertensor": (1,), "perchannel": (h,)}[quant_mode]
     return (emu.pack_int4(q) if dt == INT4 else q), s.reshape(shape)
-
-
-def _rotary_mul(x, r1, r2, rotary_mode, rotate):
-    """out = r1 * x + r2 * rot(x) in fp32, cast to x's dtype. 'half' (NeoX): rot = cat(-x2, x1);
-    'interleave' (GPT-J / DeepSeek): rot[2i] = -x[2i+1], rot[2i+1] = x[2i]. r1 / r2 broadcast to x (4-D)."""
-    c, op = emu.chip(SOC), "npu_rotary_mul"
-    emu.check_float(c, op, c.float_dtypes, x, r1, r2)
-    emu.need(rotary_mode in ("half", "interleave"), f"{op}: rotary_mode {rotary_mode!r} (half / interleave)")
-    emu.need(rotate is None, f"{op}: rotate is not emulated", NotImplementedError)
-    emu.need(x.dim() == 4 and x.shape[-1] % 2 == 0 and x.shape[-1] < 896, f"{op}: input must be 4-D with an "
-             f"even last dim < 896, found {tuple(x.shape)}")
-    emu.need(torch.broadcast_shapes(x.shape, r1.shape, r2.shape) == x.shape, f"{op}: r1 {tuple(r1.shape)} / r2 "
-             f"{tuple(r2.shape)} must broadcast to input {tuple(x.shape)}")
-    xf = x.float()
-    if rotary_mode == "half":
-        x1, x2 = xf.chunk(2, -1)
-        rot = torch.cat((-x2, x1), -1)
-    else:
-        rot = torch.stack((-xf[..., 1::2], xf[..., 0::2]), -1).flatten(-2)
-    return (r1.float() * xf + r2.float() * rot).to(x.dtype)

@@ -1,4 +1,9 @@
-"""ascend910's fused DeepSeek-V4 indexer and attention. The indexer (profile `fused: indexer`) is torch_npu's
+"""ascend910's fused DeepSeek-V4 compressor, indexer and attention. The compressor (profile `fused:
+compressor`) is vllm-ascend's `compressor` over the paged compressor state, as its DeepSeek-V4 compressor
+calls it (vllm_ascend/models/deepseek_v4/compressor.py at commit 182b75ea84): the state pool of A | Z rows
+read and written through a block table whose every entry is the sequence's slot + 1 (a ring of R rows is
+one block of R rows; slot 0 of the pool is the block the kernel never writes), the entries' rope rows made
+once per step (StepRope.kernel), then the completed entries written into the entry pool. The indexer (profile `fused: indexer`) is torch_npu's
 `npu_lightning_indexer` over the indexer's compressed keys. The attention (profile `fused: sparse_attn`) is vllm-ascend's
 `npu_sparse_attn_sharedkv` over the paged pools, as its DeepSeek-V4 attention calls it (dsa_v1.py
 1481-1592 at commit 182b75ea84): q [T, H, D] "TND" with cu_seqlens_q, the window ring as "PA_ND" KV,
@@ -20,11 +25,42 @@ from __future__ import annotations
 import torch
 
 from backends.ascend910 import device_ops as device
+from backends.ascend910 import lowerings
 from backends.common import attention
 from lib.distributed import process_group as parallel
 from lib.emulation.sharedkv_attention import TOPK, paged_block_ok
 
 DTYPE = torch.bfloat16
+ROTARY_INTERLEAVE = 2      # the compressor's rotary_mode: DeepSeek-V4's interleaved pairs
+CACHE_MODE = 1             # the compressor's cache_mode as vllm-ascend's DeepSeek-V4 compressor passes it
+
+
+def compressor_takes(batch, ring: int, *, ratio: int, overlap: bool, angles) -> bool:
+    """Whether the compressor kernel can run this step: a ring it addresses as one block (rows a multiple of 16 up
+    to 1024), the entries' rope rows made (this backend's rope_angles), and no sequence feeding more tokens than the
+    ring holds past the positions an entry pools (the kernel writes them all before it reads the state back)."""
+    pooled = 2 * ratio if overlap else ratio
+    return (batch.state.step_tokens <= ring - pooled + 1 and paged_block_ok(ring)
+            and bool(angles.entries[ratio].kernel))
+
+
+def compress_fused(h, batch, pools, wkv, wgate, ape, norm, *, ratio: int, overlap: bool, eps: float, angles,
+                   rope_dim: int):
+    """The compressor kernel and one write of the entries it completes; the composite where a step feeds more
+    tokens than the ring holds past the positions an entry pools (a long prefill chunk: the kernel writes the
+    whole chunk into the ring before it reads it back), or where the pools are not ones it can address."""
+    addr, ring = batch.state, pools.state.shape[1]
+    if not compressor_takes(batch, ring, ratio=ratio, overlap=overlap, angles=angles):
+        return lowerings.compress(h, batch, pools, wkv, wgate, ape, norm, ratio=ratio, overlap=overlap, eps=eps,
+                                  angles=angles, rope_dim=rope_dim)
+    cos, sin = angles.entries[ratio].kernel
+    out = device.compressor(h.to(DTYPE), wkv, wgate, pools.state, ape, norm, sin, cos, addr.step(("state_table", ring)),
+                            addr.step(("query_start",)), None, addr.step(("start_pos",)), rope_dim, ratio,
+                            2 if overlap else 1, eps, ROTARY_INTERLEAVE, CACHE_MODE)
+    slots = addr.writes[ratio].slots
+    n = min(slots.shape[0], out.shape[0])     # the entries completed; a bucketed step's padded writes: trash rows
+    pools.entries.index_copy_(0, slots[:n], out[:n].to(pools.entries.dtype))
+    return pools
 
 
 def index_select_fused(q, weights, batch, keys, *, topk: int, ratio: int, weight_scale: float, group=None):

@@ -43,18 +43,33 @@ compress = functools.partial(attention.compress, rms=_rms)
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     """The common angles of every table (the compressors' composite rotates the entries with their
-    paired sines), and for the token rows npu_rotary_mul's r1 = cos and r2 = sin per pair in bf16
-    ([1, T, 1, rope_dim]) and -r2 for the inverse: made once per step, not in each rope call."""
+    paired sines), and for the token rows the in-place rotary's r1 = cos and r2 = sin per pair in bf16
+    ([1, T, 1, rope_dim]) and -r2 for the inverse, and for each ratio's entries the fused compressor's
+    rope rows (StepRope.kernel): made once per step, not in each rope or compress call."""
     out = {}
     for name, step in common_rope.rope_angles(batch, tables=tables).items():
         r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
-        out[name] = step._replace(rotary=(r1, r2, -r2))
+        entries = {m: e._replace(kernel=_compressor_rows(e, batch, m)) for m, e in step.entries.items()}
+        out[name] = step._replace(rotary=(r1, r2, -r2), entries=entries)
     return out
 
 
+def _compressor_rows(entries: StepRope, batch, ratio: int) -> tuple:
+    """The compressor kernel's rope_cos / rope_sin [min(T, T // m + S), rope_dim] (bf16, per channel): these
+    entries' (as many as fit: a bucketed step's padded writes go past them), then cos 1 / sin 0, as vllm-ascend's
+    compressor_metadata pads its rows."""
+    t, s = batch.positions.shape[0], batch.state.seq_slot.shape[0]
+    n = min(t, t // ratio + s)
+    k = min(n, entries.cos.shape[0])
+    return tuple(torch.nn.functional.pad(v[:k], (0, 0, 0, n - k), value=pad).repeat_interleave(2, dim=-1).to(DTYPE)
+                 for v, pad in ((entries.cos, 1.0), (entries.sin, 0.0)))
+
+
 def rope(x, angles, rope_dim: int, inverse: bool = False):
-    """npu_rotary_mul in interleave mode on the trailing rope_dim channels (4-D BSND view); angles: the
-    step's rotation of this table (rope_angles), or a (cos, sin) pair [T, rope_dim/2]."""
+    """vllm-ascend's inplace_partial_rotary_mul (interleave) on the trailing rope_dim channels of x [T, D] or
+    [T, H, D], viewed [T, 1, N, D]: x is overwritten (the profile declares the op `consumes: [x]`, and the
+    build checks no later step reads it). angles: the step's rotation of this table (rope_angles), or a
+    (cos, sin) pair [T, rope_dim/2]."""
     if isinstance(angles, StepRope) and angles.rotary:
         r1, r2, r2_inverse = angles.rotary
         r2 = r2_inverse if inverse else r2
@@ -62,11 +77,11 @@ def rope(x, angles, rope_dim: int, inverse: bool = False):
         cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
         r1, r2 = (t.float().repeat_interleave(2, dim=-1).to(x.dtype)[None, :, None, :] for t in (cos, sin))
         r2 = -r2 if inverse else r2
-    d = x.shape[-1]
-    tail = x[..., d - rope_dim:]
-    heads = tail.reshape(1, x.shape[0], -1, rope_dim)                     # [1, T, N, rd]
-    rotated = device.npu_rotary_mul(heads, r1, r2, rotary_mode="interleave").reshape(tail.shape)
-    return torch.cat((x[..., : d - rope_dim], rotated), dim=-1)
+    t, d = x.shape[0], x.shape[-1]
+    heads = x.reshape(t, 1, -1, d)                                       # a view of x (a copy only if x is strided)
+    device.inplace_partial_rotary_mul(heads, r1.view(t, 1, 1, rope_dim), r2.view(t, 1, 1, rope_dim), "interleave",
+                                      [d - rope_dim, d])
+    return heads.view(x.shape)
 
 
 def linear_w8a8(x, weight: W8A8):

@@ -73,10 +73,6 @@ def npu_dynamic_quant(input, *, dst_type=None, quant_mode="pertoken", **unused):
     return q, input.new_empty(shape, dtype=F32)
 
 
-def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002 - the schema's name
-    return torch.empty_like(input)
-
-
 def _int_mm(self, mat2):
     return self.new_empty((self.shape[0], mat2.shape[1]), dtype=I32)
 
@@ -112,8 +108,16 @@ def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, cu_se
     return torch.empty(1024, dtype=I32, device=None if cu_seqlens_q is None else cu_seqlens_q.device)
 
 
-FAKES = {f.__name__: f for f in (npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+def compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, *unused, **unused_kw):
+    return x.new_empty((rope_sin.shape[0], norm_weight.shape[0]))       # the state is written in place
+
+
+def inplace_partial_rotary_mul(x, r1, r2, rotary_mode, partial_slice):
+    return None                                                          # x is rotated in place
+
+
+FAKES = {f.__name__: f for f in (compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
-                                 npu_scatter_nd_update_, npu_dynamic_quant, npu_rotary_mul, _int_mm,
+                                 npu_scatter_nd_update_, npu_dynamic_quant, _int_mm,
                                  _fused_rms_norm)}
 NEEDS_SOC = frozenset({"npu_moe_init_routing_v2"})     # fakes whose shapes follow a chip quirk

@@ -123,3 +123,33 @@ def moe_gating_top_k_hash(x, k: int, bias, input_ids, tid2eid, k_group: int, gro
     y = picked / (picked.sum(-1, keepdim=True) + eps) * routed_scaling_factor
     out = scores if out_flag else torch.full_like(scores, float("nan"))
     return y.to(x.dtype), ids, out
+
+
+ROTARY_MODES = {"half": 0, "interleave": 1, "quarter": 2, "interleave-half": 3}   # the binding's names
+
+
+def inplace_partial_rotary_mul(x, r1, r2, rotary_mode: str, partial_slice) -> None:
+    """Rotate channels [start, end) of x [B, S, N, D] in place: pairs (a, b) -> (a r1 - b r2, b r1 + a r2),
+    r1 / r2 per channel [B, 1 or S, 1, end - start] in x's dtype or fp32, computed in fp32. A mode name the
+    binding does not know makes it return without a launch (csrc/torch_binding.cpp
+    inplace_partial_rotary_mul_npu), so x is left as it was; the A2 / A3 tiling takes only "interleave"
+    (inplace_partial_rotary_mul_a3_tiling.cpp: "mode only support interleave")."""
+    op = "inplace_partial_rotary_mul"
+    if rotary_mode not in ROTARY_MODES:
+        return None
+    need(x.dim() == 4, f"{op}: Input tensor x's dim num should be 4, actual {x.dim()}")
+    need(rotary_mode == "interleave", f"{op}: mode only support interleave on 910B / 910_93, found {rotary_mode!r}")
+    start, end = partial_slice
+    width = end - start
+    need(0 <= start and 0 < width and end <= x.shape[-1] and width % 2 == 0, f"{op}: partial_slice {list(partial_slice)} "
+         f"must be an even, non-empty slice of the last dim {x.shape[-1]}")
+    need(r1.dim() == 4 and r1.shape == r2.shape and r1.dtype == r2.dtype and r1.dtype in (x.dtype, F32),
+         f"{op}: r1 / r2 must be 4-D, the same shape and dtype (x's or fp32), found {r1.dtype} {tuple(r1.shape)} / "
+         f"{r2.dtype} {tuple(r2.shape)}")
+    need(r1.shape[0] == x.shape[0] and r1.shape[1] in (1, x.shape[1]) and r1.shape[2] == 1 and r1.shape[3] == width
+         and (x.shape[1] == 1 or x.shape[2] == 1), f"{op}: r1 {tuple(r1.shape)} must be [{x.shape[0]}, 1 or "
+         f"{x.shape[1]}, 1, {width}] for x {tuple(x.shape)} with S or N of 1 (the A2 / A3 tiling)")
+    seg = x[..., start:end].float()
+    swapped = torch.stack((-seg[..., 1::2], seg[..., 0::2]), dim=-1).flatten(-2)
+    x[..., start:end] = (seg * r1.float() + swapped * r2.float()).to(x.dtype)
+    return None

@@ -1,7 +1,8 @@
 """The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
-backend's code path, so conformance can prove it catches each one; two pitfalls of the fused kernels
-(F01, F02: a fused path's own wrong turn, ascend910); and two long-context bugs (C01,
-C02, lib/porting/state_faults.py) that only `--context` conformance can see.
+backend's code path, so conformance can prove it catches each one; three pitfalls of the fused kernels
+(F01-F03: a fused path's own wrong turn, ascend910; F03 shows only where the fused compressor runs, in
+`--context` conformance); and two long-context bugs (C01, C02, lib/porting/state_faults.py) that only
+`--context` conformance can see.
 
 Nothing is patched. A bug reaches the backend the way the field port carried it, through one of
 the code's explicit fault sites: the generated code rendered again with the wrong call, argument
@@ -185,6 +186,22 @@ def comb_before_sinkhorn(x, fn, base, scale, iters, norm_eps, hc_eps):
     return u, post, torch.softmax(logits.unflatten(-1, (n, n)), dim=-1) + hc_eps
 
 
+def compressor_table_without_slot0(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overlap, eps, angles, rope_dim):
+    """F03: the fused compressor's state block table made of the slots themselves, without the + 1 that steps over
+    the pool's unused block 0: every sequence stores and reads its projections in the slot before its own (its
+    neighbour's), and the sequence in slot 0 stores nothing (the kernel skips every write to block 0), so the
+    entries a decode step completes pool another sequence's rows."""
+    from backends.ascend910 import fused_attention
+
+    addr, ring = batch.state, pools.state.shape[1]
+    if fused_attention.compressor_takes(batch, ring, ratio=ratio, overlap=overlap, angles=angles):
+        rows = dict(addr.rows)
+        rows[("state_table", ring)] = addr.rows[("state_table", ring)] - 1
+        batch = batch._replace(state=addr._replace(rows=rows))
+    return fused_attention.compress_fused(h, batch, pools, wkv, wgate, ape, norm, ratio=ratio, overlap=overlap,
+                                          eps=eps, angles=angles, rope_dim=rope_dim)
+
+
 def unchecked_fused_widths(kernels, cfg, relax_widths=False):
     """F02: a fused kernel chosen without its width limit (only the other limits checked), so it runs
     at a hidden size it is not built for; the device refuses (here: the emulation's own check)."""
@@ -215,6 +232,9 @@ def _inverted_requant(backend: str) -> Rewrite:
 
 
 UNCLIPPED = {"limit": "float('inf')"}
+# F03 changes nothing until a decode step's compressor runs fused (a `--context` run of the tiny-long preset: the
+# tiny preset's ratio 8 is not one the kernel takes) and an entry pools a position that step stored
+F03_SHOWS_FROM = 64
 
 CATALOGUE: dict[str, Injection] = {
     "B01": Injection("B01", "MXFP4 unpacked as all low nibbles then all high nibbles", ALL,
@@ -261,8 +281,13 @@ CATALOGUE: dict[str, Injection] = {
                      rewrite=_rewrite(calls={"hc_pre@mhc": "lib.porting.faults:comb_before_sinkhorn"})),
     "F02": Injection("F02", "fused mHC chosen without its width limit (hidden size outside {4096, 7168})",
                      ("ascend910",), load=LoadFaults(fused_choice=unchecked_fused_widths), strict_widths=True),
+    "F03": Injection("F03", "fused compressor state table without the + 1 over the unused block 0 (each sequence in "
+                     "its neighbour's slot)", ("ascend910",), rewrite=_rewrite(calls={
+                         "compress@compressor": "lib.porting.faults:compressor_table_without_slot0"}),
+                     min_context=F03_SHOWS_FROM),
     "C01": Injection("C01", "compressed-entry RoPE positions carried in float16 (one window off past 8192)", ALL,
-                     rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions"}),
+                     rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions",
+                                             "compress@compressor": "lib.porting.state_faults:fp16_entry_positions_fused"}),
                      min_context=state.C01_SHOWS_FROM),
     "C02": Injection("C02", "indexer top-k restarted per block of entries (only the last block's survives)", ALL,
                      rewrite=_rewrite(calls={"index_select": "lib.porting.state_faults:last_block_top_k",

@@ -53,16 +53,31 @@ def fp16_entry_positions(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overl
 
     The backend's compressor writes the entries at the exact positions; rotating a written entry
     by the rounding error d gives RoPE(p + d) (rotations compose), and d = 0 leaves it as it was."""
-    from backends.common import attention, rope
+    from backends.common import attention
 
     pools = attention.compress(h, batch, pools, wkv, wgate, ape, norm, ratio=ratio, overlap=overlap, eps=eps,
                                angles=angles, rope_dim=rope_dim)
+    return _fp16_drift(pools, batch, ratio, angles, rope_dim)
+
+
+def fp16_entry_positions_fused(h, batch, pools, wkv, wgate, ape, norm, *, ratio, overlap, eps, angles, rope_dim):
+    """C01 where ascend910's fused compressor writes the entries (its rope rows built from float16 positions)."""
+    from backends.ascend910 import fused_attention
+
+    pools = fused_attention.compress_fused(h, batch, pools, wkv, wgate, ape, norm, ratio=ratio, overlap=overlap,
+                                           eps=eps, angles=angles, rope_dim=rope_dim)
+    return _fp16_drift(pools, batch, ratio, angles, rope_dim)
+
+
+def _fp16_drift(pools, batch, ratio: int, angles, rope_dim: int):
+    from backends.common import rope
+
     writes = batch.state.writes[ratio]
     exact = writes.ids * ratio
     drift = exact.to(torch.float16).to(torch.int64) - exact
     rows = pools.entries.index_select(0, writes.slots)
     turn = drift.float()[:, None] * angles.inv_freq.float()[None, :]
-    pools.entries.index_copy_(0, writes.slots, rope.rope(rows, (turn.cos(), turn.sin()), rope_dim))
+    pools.entries.index_copy_(0, writes.slots, rope.rope(rows, (turn.cos(), turn.sin()), rope_dim).to(rows.dtype))
     return pools
 
 

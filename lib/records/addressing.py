@@ -98,7 +98,8 @@ class Addressing(NamedTuple):
     # ("window_mask", W) [T, W], ("span", m, n, R) [K, n] and ("span_pos", m, n) [K, n],
     # ("entries", m) [S, E + ENTRY_PAD]; for a paged attention kernel ("query_start",) [S + 1] and
     # ("seq_lens",) [S] int32 (cu_seqlens_q, seqused_kv) and ("window_table", R) [S, cdiv(max_len, R)]
-    # int32 (a window ring of R rows read as one block of R rows per sequence); for an indexer kernel
+    # int32 (a window ring of R rows read as one block of R rows per sequence); for the compressor kernel
+    # ("start_pos",) [S] int32 and ("state_table", R) [S, cdiv(max_len, R)] int32; for an indexer kernel
     # that takes every token row as its own batch, ("row_ends",) [T] int32 (1..T) and ("row_table", m)
     # [T, n] int32 (each row's sequence's block table of ratio m)
     rows: dict = {}
@@ -193,19 +194,23 @@ def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, wi
     for m in addr.max_entries:
         rows[("entries", m)] = addr.seq_entries(m, addr.max_entries[m] + ENTRY_PAD)[0]
         rows[("limit", m)] = ((positions + 1) // m).to(torch.int32)     # entries each token row may read
-    return addr._replace(rows=rows | kernel_rows(addr, window_rings))
+    return addr._replace(rows=rows | kernel_rows(addr, window_rings, rings))
 
 
-def kernel_rows(addr: Addressing, window_rings: set[int]) -> dict:
-    """The sequence metadata of a paged attention kernel (vllm-ascend's npu_sparse_attn_sharedkv):
-    cu_seqlens_q [S + 1], seqused_kv [S] (positions after this step) and, per window ring of R rows,
-    a block table [S, cdiv(max_len, R)] whose every entry is the sequence's slot: the kernel reads
-    position x at row x % R of block table[s, x // R], which is where the ring keeps x."""
+def kernel_rows(addr: Addressing, window_rings: set[int], rings: set[int] = frozenset()) -> dict:
+    """The sequence metadata of vllm-ascend's paged kernels: cu_seqlens_q [S + 1], seqused_kv [S]
+    (positions after this step) and start_pos [S] (before it) int32; per window ring of R rows, a block
+    table [S, cdiv(max_len, R)] whose every entry is the sequence's slot: the attention kernel reads
+    position x at row x % R of block table[s, x // R], which is where the ring keeps x; per compressor
+    ring of R rows the same table of the slot + 1 (the compressor's state pool keeps an unused slot 0,
+    lib/records/decode_state.py: its kernel never writes block 0)."""
     lens = (addr.seq_end - addr.seq_start).to(torch.int32)
     rows = {("query_start",): torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32))),
-            ("seq_lens",): addr.seq_end.to(torch.int32)}
+            ("seq_lens",): addr.seq_end.to(torch.int32), ("start_pos",): addr.seq_start.to(torch.int32)}
     for r in sorted(window_rings):
         rows[("window_table", r)] = addr.seq_slot.to(torch.int32)[:, None].repeat(1, max(1, -(-addr.max_len // r)))
+    for r in sorted(rings):
+        rows[("state_table", r)] = (addr.seq_slot.to(torch.int32) + 1)[:, None].repeat(1, max(1, -(-addr.max_len // r)))
     rows[("row_ends",)] = torch.arange(1, addr.row_seq.shape[0] + 1, dtype=torch.int32)
     for group in addr.tables:
         rows[("row_table", group.ratio)] = group.table.index_select(0, addr.row_seq)

@@ -21,14 +21,27 @@ class StateItem(NamedTuple):
     rows: Callable[..., int] | None             # (cfg, ratio, slack) -> ring rows; None for entry lifetime
     dim: Callable[..., int]                     # (cfg, ratio, slack) -> row width
     dtype: str                                  # "compute" | "float32"
+    slot0_unused: bool = False                  # the pool has one more slot, slot 0, never read or written
 
 
 class CompressorPools(NamedTuple):
-    """One compressor's state in one layer: its rings of per-position projections and its entries."""
-    kv: torch.Tensor         # [max_seqs + 1, R, C] fp32 projections A; position p in row p % R of its slot
-    gate: torch.Tensor       # [max_seqs + 1, R, C] fp32 gate logits Z + ape, same rows
+    """One compressor's state in one layer: its ring of per-position projections and its entries.
+    The ring keeps A and Z + ape of a position side by side in one row, as vllm-ascend's fused
+    compressor reads and writes its state (ascend910); `kv` and `gate` are the two halves as views."""
+    state: torch.Tensor      # [max_seqs + 2, R, 2C] fp32 rows A | Z + ape; slot 0 unused, sequence slot s at s + 1,
+                             # position p in row p % R
     entries: torch.Tensor    # [blocks * block_tokens, Dc] compressed entries, by the block table of `ratio`
     ratio: int
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """[max_seqs + 1, R, C] fp32 projections A of the sequence slots (a view)."""
+        return self.state[1:, :, : self.state.shape[-1] // 2]
+
+    @property
+    def gate(self) -> torch.Tensor:
+        """[max_seqs + 1, R, C] fp32 gate logits Z + ape, same rows (a view)."""
+        return self.state[1:, :, self.state.shape[-1] // 2:]
 
 
 class LayerPools(NamedTuple):

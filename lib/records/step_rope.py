@@ -20,7 +20,9 @@ class StepRope(NamedTuple):
                                # batch.state.writes[m] order (views of the same product)
     paired: tuple = ()         # (-sin, sin) and (sin, -sin) per pair [N, rope_dim/2, 2]: the composite
                                # rotation's multiplier of the swapped pair (backends/common/rope.py); () if not made
-    rotary: tuple = ()         # npu_rotary_mul's r1, r2 and -r2 [1, N, 1, rope_dim] bf16 (ascend910); () if not made
+    rotary: tuple = ()         # the in-place rotary's r1, r2 and -r2 [1, N, 1, rope_dim] bf16 (ascend910); () if not made
+    kernel: tuple = ()         # an entries record's (cos, sin) [min(T, T // m + S), rope_dim] bf16 per channel: the
+                               # fused compressor's rope rows, these entries then cos 1 / sin 0 (ascend910); () if not made
 
     def to(self, dtype: torch.dtype) -> "StepRope":
         """The angles in `dtype`, without the forms a backend made of them (the frequencies stay fp32)."""

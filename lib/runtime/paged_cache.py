@@ -333,6 +333,5 @@ def _layer_pools(tensors: dict, owner: str, ratio: int) -> LayerPools:
     def compressor(prefix: str) -> CompressorPools | None:
         if (owner, f"{prefix}.entries") not in tensors:
             return None
-        return CompressorPools(tensors[(owner, f"{prefix}.kv")], tensors[(owner, f"{prefix}.gate")],
-                               tensors[(owner, f"{prefix}.entries")], ratio)
+        return CompressorPools(tensors[(owner, f"{prefix}.state")], tensors[(owner, f"{prefix}.entries")], ratio)
     return LayerPools(tensors.get((owner, "window")), compressor("comp"), compressor("index"))

@@ -19,7 +19,8 @@ class PoolShape(NamedTuple):
     item: str                # declared name: "window", "comp.kv", "index.entries", ...
     lifetime: str            # "sequence" | "entry"
     ratio: int               # the owner's compress ratio (entry pools: the block table they use)
-    shape: tuple[int, ...]   # [max_seqs + 1, rows, dim] ring pools (slot max_seqs: trash) | [(blocks + 1) * P, dim]
+    shape: tuple[int, ...]   # [max_seqs + 1, rows, dim] ring pools (slot max_seqs: trash; one more slot, slot 0,
+                             # before them where the item declares slot0_unused) | [(blocks + 1) * P, dim]
                              # entry pools (the last block: trash, the padded writes of a bucketed step)
     dtype: torch.dtype
 
@@ -55,7 +56,7 @@ def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block
             dim = item.dim(cfg, layer.ratio, slack)
             if item.lifetime == "sequence":
                 rows = item.rows(cfg, layer.ratio, slack)
-                shape = (max_seqs + 1, -(-rows // ring_multiple) * ring_multiple, dim)
+                shape = (max_seqs + 1 + item.slot0_unused, -(-rows // ring_multiple) * ring_multiple, dim)
             else:
                 shape = ((group_blocks(num_blocks, layer.ratio, max_seqs) + 1) * block_tokens, dim)
             out.append(PoolShape(owner, item.name, item.lifetime, layer.ratio, shape, dtype))

@@ -303,24 +303,26 @@ def test_l02_310p_ops_reject_bf16():
     assert p910.npu_rms_norm(b, torch.ones(128).bfloat16())[0].dtype == BF16
 
 
-@pytest.mark.parametrize("mode", ["half", "interleave"])
-def test_rotary_mul_910_matches_loops_with_broadcast_tables(mode):
-    b, s, n, d = 2, 3, 2, 8
-    x = torch.randn(b, s, n, d, generator=gen(28))
-    r1, r2 = torch.randn(1, s, 1, d, generator=gen(29)), torch.randn(1, s, 1, d, generator=gen(30))  # BSND: 1S1D
-    out = p910.npu_rotary_mul(x, r1, r2, rotary_mode=mode)
-    for i in range(b):
-        for j in range(s):
-            for h in range(n):
-                v = x[i, j, h].tolist()
-                if mode == "half":
-                    rot = [-v[t + d // 2] if t < d // 2 else v[t - d // 2] for t in range(d)]
-                else:
-                    rot = [-v[t + 1] if t % 2 == 0 else v[t - 1] for t in range(d)]
-                ref = [float(r1[0, j, 0, t]) * v[t] + float(r2[0, j, 0, t]) * rot[t] for t in range(d)]
-                torch.testing.assert_close(out[i, j, h], torch.tensor(ref), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="rotary_mode"):
-        p910.npu_rotary_mul(x, r1, r2, rotary_mode="quarter")
+def test_inplace_partial_rotary_mul_910_rotates_its_slice_as_loops_do():
+    t, n, d, rd = 3, 2, 12, 8
+    x = torch.randn(t, 1, n, d, generator=gen(28))
+    r1, r2 = torch.randn(t, 1, 1, rd, generator=gen(29)), torch.randn(t, 1, 1, rd, generator=gen(30))
+    out = x.clone()
+    assert p910.inplace_partial_rotary_mul(out, r1, r2, "interleave", [d - rd, d]) is None      # in place
+    for i in range(t):
+        for h in range(n):
+            v = x[i, 0, h, d - rd:].tolist()
+            rot = [-v[k + 1] if k % 2 == 0 else v[k - 1] for k in range(rd)]
+            ref = [float(r1[i, 0, 0, k]) * v[k] + float(r2[i, 0, 0, k]) * rot[k] for k in range(rd)]
+            torch.testing.assert_close(out[i, 0, h, d - rd:], torch.tensor(ref), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[..., : d - rd], x[..., : d - rd])                                    # the rest untouched
+    same = x.clone()
+    p910.inplace_partial_rotary_mul(same, r1, r2, "interleaved", [d - rd, d])    # a name the binding does not know:
+    assert torch.equal(same, x)                                                  # it returns without rotating
+    with pytest.raises(ValueError, match="mode only support interleave"):
+        p910.inplace_partial_rotary_mul(x.clone(), r1, r2, "half", [d - rd, d])
+    with pytest.raises(ValueError, match="must be \\[3, 1 or 1, 1, 8\\]"):
+        p910.inplace_partial_rotary_mul(x.clone(), r1[:1], r2[:1], "interleave", [d - rd, d])
 
 
 @pytest.mark.parametrize("module", [p310, p910])

@@ -203,10 +203,13 @@ def test_ascend910_on_device(request):
     got, want = _both(device, p910.npu_quant_matmul, xq_ref, w.t(), scale, pertoken_scale=xs_ref, output_dtype=BF16)
     _close(got, want, 1e-2, "npu_quant_matmul")
 
-    heads = torch.randn(1, 6, 4, 64, generator=_gen(24)).to(BF16)                       # BSND
-    r1, r2 = (torch.randn(1, 6, 1, 64, generator=_gen(s)).to(BF16) for s in (25, 26))
-    got, want = _both(device, p910.npu_rotary_mul, heads, r1, r2, rotary_mode="interleave")
-    _close(got, want, 2e-2, "npu_rotary_mul")
+    heads = torch.randn(6, 1, 4, 64, generator=_gen(24)).to(BF16)                       # [T, 1, N, D]
+    r1, r2 = (torch.randn(6, 1, 1, 32, generator=_gen(s)).to(BF16) for s in (25, 26))
+    got, want = heads.to(device), heads.clone()                                         # rotated in place
+    p910.inplace_partial_rotary_mul(got, r1.to(device), r2.to(device), "interleave", [32, 64])
+    with _emulated():
+        p910.inplace_partial_rotary_mul(want, r1, r2, "interleave", [32, 64])
+    _close(got.cpu(), want, 2e-2, "inplace_partial_rotary_mul")
 
     _scatter(device, p910, BF16)
     _end_to_end("ascend910", device, request.getfixturevalue("tiny_ckpt"))

@@ -16,7 +16,6 @@ from lib.records.batch import make_batch
 from lib.runtime.loaded_model import load_model
 from lib.runtime.paged_cache import PagedCache
 from lib.runtime.paged_step import paged_step
-from lib.weights.tiny_checkpoint import make_tiny
 from spec.config import RankConfig
 from spec.fused import unmet
 from spec.profile import load_profile
@@ -37,12 +36,6 @@ def test_flash_meets_the_kernel_limits_and_only_widths_relax():
         "index_topk <= 512 (found 1024)"]
     assert unmet(LIMITS, RankConfig.of(variant_config("flash-0731", {"head_dim": 256}))) == ["head_dim == 512 (found 256)"]
     assert {lim.key for lim in LIMITS if lim.width} == {"head_dim", "num_attention_heads"} and all(l.source for l in LIMITS)
-
-
-@pytest.fixture(scope="module")
-def long_tiny(tmp_path_factory):
-    """The tiny-long preset: Flash's window and compress ratios, top-k 64 (padded to the kernel's 512)."""
-    return make_tiny(tmp_path_factory.mktemp("sas") / "ckpt", preset="tiny-long")
 
 
 def _step(model, store, tokens, start, seq=0, **kw):
@@ -83,7 +76,7 @@ def test_the_fused_kernel_attends_as_the_composite_does(long_tiny):
         assert err <= 2e-2 * max(scale, 1.0), (ratio, err, scale)
 
 
-def test_decode_launches_the_kernel_and_a_long_chunk_the_composite(long_tiny):
+def test_decode_launches_the_kernels_and_a_long_chunk_the_composites(long_tiny):
     with relaxed_widths():
         model = load_model(long_tiny, "ascend910")
         store = PagedCache.for_lengths(model, [64])
@@ -97,6 +90,9 @@ def test_decode_launches_the_kernel_and_a_long_chunk_the_composite(long_tiny):
     assert "npu_sparse_attn_sharedkv" not in sections["prefill"].launches        # 40 tokens > 144 - 128 + 1
     assert sections["decode"].launches["npu_sparse_attn_sharedkv"] == len(model.layers)
     assert sections["decode"].launches["npu_sparse_attn_sharedkv_metadata"] == len(model.layers)
+    compressors = sum(2 if layer.attention == "csa" else layer.attention == "hca" for layer in model.layers)
+    assert "compressor" not in sections["prefill"].launches                    # 40 tokens > the rings' slack too
+    assert sections["decode"].launches["compressor"] == compressors
 
 
 def _call(**over):

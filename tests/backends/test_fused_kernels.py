@@ -31,7 +31,7 @@ def _rank(variant: str, **overrides) -> RankConfig:
 
 def test_flash_shapes_choose_the_fused_mhc_and_tiny_ones_do_not():
     kernels = {name: k.limits.values() for name, k in PROFILE.fused.items()}
-    assert chosen(kernels, _rank("flash-0731")) == {"mhc", "gating", "sparse_attn", "indexer"} == chosen(
+    assert chosen(kernels, _rank("flash-0731")) == {"mhc", "gating", "compressor", "sparse_attn", "indexer"} == chosen(
         kernels, _rank("flash-preview"))
     assert chosen(kernels, _rank("tiny")) == {"gating"}
     assert unmet(PROFILE.fused["gating"].limits.values(), _rank("flash-0731", n_routed_experts=4096)) == [
@@ -39,7 +39,8 @@ def test_flash_shapes_choose_the_fused_mhc_and_tiny_ones_do_not():
     assert unmet(MHC, _rank("tiny")) == [f"hidden_size in {{4096, 7168}} (found {_rank('tiny').hidden_size})"]
     # V4.1-Flash's hidden size 5120 is not one the kernels are built for; relaxing widths lets only widths pass
     assert unmet(MHC, _rank("flash-0731", hidden_size=5120)) == ["hidden_size in {4096, 7168} (found 5120)"]
-    # the indexer's limits other than widths hold at tiny; the attention's window 16 and ratio 8 do not (not relaxed)
+    # the indexer's limits other than widths hold at tiny; the attention's window 16 and the attention's and the
+    # compressor's ratio 8 do not (not relaxed)
     assert chosen(kernels, _rank("tiny"), relax_widths=True) == {"mhc", "gating", "indexer"}
     assert unmet(MHC, _rank("tiny", hc_mult=2), relax_widths=True) == ["hc_mult == 4 (found 2)"]
     assert {lim.key for lim in MHC if lim.width} == {"hidden_size"} and all(lim.source for lim in MHC)

@@ -93,7 +93,19 @@ def _sas_inputs(metadata_only: bool = False):
         **shape})
 
 
+def _compressor_inputs():
+    """compressor at ratio 4 with the overlap over two state blocks of 16 rows: a tiny model's ratio 8 is not one
+    the kernel takes, so no tiny step calls it. Position 7 completes entry 1, position 5 none."""
+    d, hid = 128, 1024
+    return ((torch.randn(2, hid).bfloat16(), torch.randn(2 * d, hid).bfloat16(), torch.randn(2 * d, hid).bfloat16(),
+             torch.zeros(3, 16, 4 * d), torch.zeros(4, 2 * d), torch.ones(d).bfloat16(), torch.zeros(2, 64).bfloat16(),
+             torch.ones(2, 64).bfloat16(), torch.tensor([[1], [2]], dtype=torch.int32),
+             torch.tensor([0, 1, 2], dtype=torch.int32), None, torch.tensor([7, 5], dtype=torch.int32), 64, 4, 2, 1e-6,
+             2, 1), {})
+
+
 NOT_IN_A_STEP = {
+    "compressor": _compressor_inputs,
     "npu_sparse_attn_sharedkv": _sas_inputs,
     "npu_sparse_attn_sharedkv_metadata": lambda: _sas_inputs(metadata_only=True),
     "npu_scatter_nd_update_": lambda: ((torch.zeros(4, 8, dtype=torch.float16), torch.tensor([[1], [3]]),

@@ -174,6 +174,14 @@ def test_short_context_catches_the_per_block_top_k(long_ckpt, context_references
     assert any(n.startswith("indexer: selected entries the device missed") for n in failed), report.table()
 
 
+def test_short_context_catches_the_fused_compressor_state_table(long_ckpt, context_references):
+    """F03 on ascend910, where the tiny-long preset's ratios 4 and 128 run the fused compressor on decode steps."""
+    report = conformance_context.run("ascend910", long_ckpt, SHORT_CONTEXT, inject="F03",
+                                     reference=context_references(SHORT_CONTEXT), stop_on_failure=True)
+    failed = [c.name for c in report.checks if not c.passed]
+    assert any(n.startswith(LONG_DETECTED_BY["F03"]) for n in failed), report.table()
+
+
 def test_cli_refuses_a_long_context_bug_without_the_context(tiny_ckpt, capsys):
     assert main(["conformance", "--backend", "hip936", "--model", str(tiny_ckpt), "--inject", "C01"]) == 2
     assert "C01 changes nothing before 8200 positions: add --context 8200" in capsys.readouterr().err
@@ -189,8 +197,9 @@ def test_long_context_conformance_passes(long_ckpt, context_references, backend)
     assert report.passed, "\n" + report.table()
 
 
-# what sees each long-context bug: C01's entries rotated one window off, C02's selection
-LONG_DETECTED_BY = {"C01": "attention csa entries", "C02": "indexer: selected entries the device missed"}
+# what sees each long-context bug: C01's entries rotated one window off, C02's selection, F03's state rows
+LONG_DETECTED_BY = {"C01": "attention csa entries", "C02": "indexer: selected entries the device missed",
+                    "F03": "paged state vs the reference's"}
 
 
 @pytest.mark.slow

@@ -81,8 +81,9 @@ def test_cache_geometry_is_a_profile_fact(tmp_path):
 # ---- the declared pools -------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["cpu", "ascend310p"])
 def test_pools_are_what_the_state_declaration_says(models, backend):
-    """Windows and compressor rings: one slot per sequence plus a trash slot, rows from
-    spec/state.yaml (W + slack; 2m or m + slack); entries and keys: block pools of each ratio,
+    """Windows and compressor rings: one slot per sequence plus a trash slot (compressor state: A | Z
+    rows, after an unused slot 0), rows from spec/state.yaml (W + slack; 2m or m + slack); entries
+    and keys: block pools of each ratio,
     cdiv(num_blocks, m) + max_seqs blocks and a trash block. Nothing else is allocated."""
     model = models[backend]
     cfg, p = model.cfg, model.facts.block_tokens
@@ -96,8 +97,10 @@ def test_pools_are_what_the_state_declaration_says(models, backend):
         m = layer.ratio
         span = 2 * m if layer.attention == "csa" else m
         width = 2 * cfg.head_dim if layer.attention == "csa" else cfg.head_dim
-        assert pools.comp.kv.shape == pools.comp.gate.shape == (4, span + 6, width)
-        assert pools.comp.kv.dtype == torch.float32
+        assert pools.comp.state.shape == (5, span + 6, 2 * width) and pools.comp.state.dtype == torch.float32
+        assert pools.comp.kv.shape == pools.comp.gate.shape == (4, span + 6, width)          # views of slots 1..
+        assert pools.comp.kv.data_ptr() == pools.comp.state[1].data_ptr()
+        assert pools.comp.gate.data_ptr() == pools.comp.state[1, 0, width:].data_ptr()
         assert pools.comp.entries.shape == ((-(-8 // m) + 3 + 1) * p, cfg.head_dim) and pools.comp.entries.dtype == dtype
         if layer.attention == "csa":
             assert pools.index.entries.shape == ((-(-8 // m) + 3 + 1) * p, cfg.index_head_dim)
@@ -105,7 +108,7 @@ def test_pools_are_what_the_state_declaration_says(models, backend):
                     for l in model.layers if l.ratio) * torch.empty(0, dtype=dtype).element_size()
     assert store.bytes_per_token() == per_token
     assert store.total_bytes() == sum(t.numel() * t.element_size() for pools in store.layers
-                                      for t in (pools.window, *(pools.comp or ())[:3], *(pools.index or ())[:3])
+                                      for t in (pools.window, *(pools.comp or ())[:2], *(pools.index or ())[:2])
                                       if isinstance(t, torch.Tensor))
 
 

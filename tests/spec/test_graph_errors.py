@@ -173,3 +173,14 @@ def test_profile_name_must_match_folder(tmp_path):
     p = profile(tmp_path, "name: cpu\n", "name: cpu\n", name="npu")
     assert error_of(load_profile, "npu", p) == (
         f"{p}:{line(p, 'name: cpu')}: profile name 'cpu' does not match its folder 'npu'")
+
+
+def test_graph_reads_a_value_a_lowering_overwrites(tmp_path):
+    """ascend910 rotates in place (its rope `consumes: [x]`): a graph whose output projection read the attention
+    output before its rotation would read rotated values there, so the build refuses it, naming both steps."""
+    p = graph(tmp_path, "args: {x: o, weight: p.attn.wo_a.weight}", "args: {x: o_rot, weight: p.attn.wo_a.weight}")
+    rope = line(p, "{op: rope, args: {x: o_rot}")
+    assert error_of(lambda q: lower(load_graph(q), load_profile("ascend910"), load_tensor_table()), p) == (
+        f"{p}:{rope}: backend 'ascend910' overwrites input 'x' of op 'rope' in place, but 'o_rot' is read afterwards "
+        f"({p}:{line(p, '{op: grouped_linear')})")
+    lower_file(p)                                   # the reference copies: the same graph builds for cpu
