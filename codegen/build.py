@@ -88,6 +88,7 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
                     for cls, fmt in sorted(formats.items())],
         "lessons": sorted(profile.lessons.items()),
         "expert_modes": sorted(expert_modes.items()),
+        "merged": [m.keys for m in profile.merged_weights.values()],
         "record": bool(rewrite.record_ops) or rewrite.record_dispatch,
         "record_dispatch": rewrite.record_dispatch,
         "timed": bool(rewrite.time_ops),

@@ -129,6 +129,15 @@ class EpDispatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lessons: tuple[LessonId, ...] = ()
 
 
+class MergedWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Two projections of one input held as one runtime weight (vLLM's gate_up_proj): the loader concatenates the
+    second's output rows after the first's into the first key and holds None under the second; the ops that take
+    both read one GEMM of the two (lib/weights/params.py merge_outputs)."""
+    keys: tuple[str, str]       # block parameter keys (runtime keys: experts un-numbered), first then second
+    reason: str
+    source: str = ""
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -148,6 +157,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     expert_conversion: ExpertConversion | None = None
     device: Device | None = None            # the planner's device numbers (spec/hardware.py); none on cpu
     ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/distributed/expert_exchange.py)
+    merged_weights: dict[str, MergedWeights] = {}   # name -> two weights the loader holds as one
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
@@ -233,8 +243,19 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
     for op in prof.ops:
         if op not in ops:
             raise SpecError(f"{path}:{lines[('ops', op)]}: unknown op '{op}' (accepted: {', '.join(sorted(ops))})")
-    classes = load_tensor_table().classes
+    table = load_tensor_table()
+    classes = table.classes
     runtime = load_runtime_formats().formats
+    keys = {e.key.replace("{expert}.", ""): e for e in table.entries if e.scope == "block"}
+    for name, merged in prof.merged_weights.items():
+        where = f"{path}:{lines[('merged_weights', name)]}"
+        unknown = [k for k in merged.keys if k not in keys]
+        if unknown:
+            raise SpecError(f"{where}: merged weights '{name}': unknown block parameter '{unknown[0]}'")
+        first, second = (keys[k] for k in merged.keys)
+        if (first.tensor_class, first.shape[1:]) != (second.tensor_class, second.shape[1:]):
+            raise SpecError(f"{where}: merged weights '{name}': {merged.keys[0]} and {merged.keys[1]} differ in class "
+                            f"or input width, so one GEMM cannot hold both")
     for cls, fmt in prof.runtime_formats.classes.items():
         where = f"{path}:{lines[('runtime_formats', 'classes', cls)]}"
         if cls not in classes:

@@ -40,6 +40,7 @@ DEVICE_OPS = MappingProxyType({
     "npu_lightning_indexer": ("L22",),
     "compressor": ("L22",),
     "inplace_partial_rotary_mul": ("L22",),
+    "npu_clipped_swiglu": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -103,6 +104,23 @@ def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     if (real := emu.real_npu_op("npu_rms_norm")) is not None:
         return emu.forward(real, locals())
     return emu.rms_norm(input, gamma, epsilon, soc=SOC)
+
+
+@device_op("npu_clipped_swiglu", CHIP, SOC)
+def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interleaved=True):
+    """aclnnClippedSwiglu: x split along `dim` into A | B (halves, or even | odd columns when interleaved),
+    y = min(A, limit) * sigmoid(alpha * min(A, limit)) * (clamp(B, -limit, limit) + bias), in fp32, x's dtype out.
+    DeepSeek-V4's clipped SwiGLU is alpha 1, bias 0 on gate | up halves."""
+    if (real := emu.real_npu_op("npu_clipped_swiglu")) is not None:
+        return emu.forward(real, locals())
+    op = "npu_clipped_swiglu"
+    emu.check_float(emu.chip(SOC), op, frozenset({F16, BF16, torch.float32}), x)
+    emu.need(group_index is None, f"{op}: group_index (grouped rows) is not emulated", NotImplementedError)
+    emu.need(x.shape[dim] % 2 == 0, f"{op}: dim {dim} of x {tuple(x.shape)} must be even")
+    xf = x.float()
+    a, b = (xf.unflatten(dim, (-1, 2)).unbind(dim if dim < 0 else dim + 1) if interleaved else xf.chunk(2, dim))
+    a = a.clamp(max=limit)
+    return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + bias)).to(x.dtype)
 
 
 @device_op("npu_scatter_nd_update_", CHIP, SOC)

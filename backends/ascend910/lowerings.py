@@ -86,27 +86,63 @@ def rope(x, angles, rope_dim: int, inverse: bool = False):
 
 def linear_w8a8(x, weight: W8A8):
     """Per-token dynamic int8 activations x int8 weight rows, bf16 out (L21)."""
-    xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
+    return _quant_matmul(*device.npu_dynamic_quant(x.to(DTYPE)), weight)
+
+
+def _quant_matmul(xq, xs, weight: W8A8):
     return device.npu_quant_matmul(xq, weight.qweight.t(), weight.scale, pertoken_scale=xs, output_dtype=DTYPE)
 
 
-def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):
-    act = moe.clipped_swiglu(linear_w8a8(x, w1), linear_w8a8(x, w3), limit)
-    return linear_w8a8(act.to(DTYPE), w2)
+def clipped_swiglu_merged(gate_up, limit: float):
+    """DeepSeek-V4's clipped SwiGLU on gate | up halves [..., 2I] in one npu_clipped_swiglu (alpha 1, bias 0), bf16."""
+    return device.npu_clipped_swiglu(gate_up, dim=-1, alpha=1.0, limit=limit, bias=0.0, interleaved=False)
+
+
+def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):
+    """The gate and up projections as one W8A8 GEMM (w1 holds both: profile merged_weights; w3 is None) and one
+    clipped SwiGLU kernel, as vllm-ascend's W8A8 MLP runs its gate_up_proj."""
+    if w3 is not None:
+        xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
+        act = moe.clipped_swiglu(_quant_matmul(xq, xs, w1), _quant_matmul(xq, xs, w3), limit).to(DTYPE)
+    else:
+        act = clipped_swiglu_merged(linear_w8a8(x, w1), limit)
+    return linear_w8a8(act, w2)
 
 
 def _gmm_w4a8(x, w: W4A8, group_list):
-    xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
+    return _gmm_quantized(*device.npu_dynamic_quant(x.to(DTYPE)), w, group_list)
+
+
+def _gmm_quantized(xq, xs, w: W4A8, group_list):
     (y,) = device.npu_grouped_matmul([xq], [w.qweight], scale=[w.scale], per_token_scale=[xs], group_list=group_list,
                                      split_item=2, group_type=0, group_list_type=0, output_dtype=DTYPE,
                                      weight_dtype=INT4)
     return y
 
 
-def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8, w2: W4A8, placement: ExpertPlacement, limit: float,
+def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placement: ExpertPlacement, limit: float,
                    zero_tail: bool = True):
-    return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
-                           gmm=_gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail)
+    """W4A8 routed experts. On one EP rank holding every expert: npu_moe_init_routing_v2 sorts the (token, expert)
+    pairs and quantises their rows (quant_mode 1, the gate and up GEMMs read that one quantisation), and
+    npu_moe_token_unpermute combines the down rows straight from that order; every row is written (all experts
+    local, no pair dropped), so there is no tail to zero. w1 holds gate | up when the profile merges them (w3 None):
+    one grouped GEMM and one npu_clipped_swiglu. Under EP the shared composite (dummy slot, tail rows zeroed, the
+    exchange: backends/common/moe.py)."""
+    if placement.ep_size > 1:
+        return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit,
+                               init_routing=device.npu_moe_init_routing_v2, gmm=_gmm_w4a8,
+                               unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail)
+    t, k = ids.shape
+    xq, row_idx, group_list, xs = device.npu_moe_init_routing_v2(
+        x.to(DTYPE), ids, active_num=t * k, expert_num=placement.n_experts, expert_tokens_num_type=0,
+        expert_tokens_num_flag=True, quant_mode=1)
+    if w3 is None:               # gate | up in one grouped GEMM (profile merged_weights)
+        act = clipped_swiglu_merged(_gmm_quantized(xq, xs, w1, group_list), limit)
+    else:
+        act = moe.clipped_swiglu(_gmm_quantized(xq, xs, w1, group_list), _gmm_quantized(xq, xs, w3, group_list),
+                                 limit).to(DTYPE)
+    down = _gmm_w4a8(act, w2, group_list)                            # [T*k, d] in expert order
+    return device.npu_moe_token_unpermute(down, row_idx, weights.to(DTYPE))
 
 
 # ---- fused mHC (profile `fused: mhc`), chosen where hidden_size and hc_mult meet the kernels' limits ----

@@ -76,13 +76,16 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
     t, k = ids.shape
     out = torch.zeros(t * k, x.shape[-1], dtype=dtype)
     for rank in placement.ranks:
-        m1, m3, m2 = (rank_experts(w, placement, rank) for w in (w1, w3, w2))
+        m1, m3, m2 = (None if w is None else rank_experts(w, placement, rank) for w in (w1, w3, w2))
         local = local_ids(ids, placement.local_of[rank])
         expanded, row_idx, cumsum, _ = init_routing(
             x.to(dtype), local, active_num=t * k, expert_num=placement.n_local + 1, expert_tokens_num_type=0,
             expert_tokens_num_flag=True)
         group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
-        act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit)
+        # w1 may hold gate | up (a backend's merged weights, w3 None): one GEMM, then its two halves
+        gate, up = (gmm(expanded, m1, group_list), gmm(expanded, m3, group_list)) if m3 is not None else (
+            gmm(expanded, m1, group_list).chunk(2, dim=-1))
+        act = clipped_swiglu(gate, up, limit)
         down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d], sorted by local expert
         if zero_tail:                # False only to re-introduce B10 (conformance)
             down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from lib.weights import tp_slices as shard
 from lib.weights.checkpoint import Checkpoint, LoadLedger
 from lib.quant.reference_formats import resolve
+from lib.quant.runtime_formats import W4A8, W8A8
 from lib.records.expert_placement import expert_placement
 from spec.schedule import LayerInfo, schedule
 from spec.tables import Logical, load_tensor_table
@@ -87,9 +88,10 @@ def own_experts(cfg, options: LoadOptions) -> range:
 
 
 def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False,
-                options: LoadOptions = LoadOptions()) -> Params:
-    """Convert every logical tensor with the converter the backend's table names for it, then
-    build the derived runtime parameters (tensors.yaml `derived`)."""
+                options: LoadOptions = LoadOptions(), merged: tuple[tuple[str, str], ...] = ()) -> Params:
+    """Convert every logical tensor with the converter the backend's table names for it, hold each `merged`
+    pair of a block as one weight (merge_outputs), then build the derived runtime parameters (tensors.yaml
+    `derived`)."""
     # refuse a TP or EP size the config cannot be split by before reading anything
     shard.check_tp(ckpt.config, ckpt.logical, options.tp_size, options.tp_rank)
     own = own_experts(ckpt.config, options)
@@ -123,12 +125,31 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     for (prefix, key), values in expert_parts.items():
         blocks.setdefault(prefix, {})[key] = stack(values)   # [E or E/ep_size, rows, cols], expert order
     ledger.check(other_ranks=other_ranks)
+    for block in blocks.values():
+        for first, second in merged:
+            if first in block and second in block:
+                block[first], block[second] = merge_outputs(block[first], block[second]), None
     _add_derived(blocks, model, ckpt.config, options)
     infos = schedule(ckpt.config)
     n = ckpt.config.num_hidden_layers
     layers = tuple(blocks.get(info.prefix, {}) for info in infos[:n])
     drafter = tuple(blocks.get(info.prefix, {}) for info in infos[n:])
     return Params(model, layers, drafter, infos[:n], infos[n:])
+
+
+def merge_outputs(first, second):
+    """One weight computing both projections: `second`'s output rows after `first`'s, in their runtime format (a
+    plain [..., N, K] tensor, W8A8 rows [..., N, K] with scales [..., N], W4A8 [..., K, N/8] packed along N with
+    scales [..., N]); its GEMM gives [..., N1 + N2], the first's outputs then the second's."""
+    if type(first) is not type(second):
+        raise TypeError(f"merged weights need one runtime format, got {type(first).__name__} and {type(second).__name__}")
+    if isinstance(first, torch.Tensor):
+        return torch.cat((first, second), dim=-2)
+    if isinstance(first, W4A8):
+        return W4A8(torch.cat((first.qweight, second.qweight), dim=-1), torch.cat((first.scale, second.scale), dim=-1))
+    if isinstance(first, W8A8):
+        return W8A8(torch.cat((first.qweight, second.qweight), dim=-2), torch.cat((first.scale, second.scale), dim=-1))
+    raise TypeError(f"no output-row concatenation for runtime format {type(first).__name__}")
 
 
 def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:

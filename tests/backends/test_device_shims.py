@@ -303,6 +303,23 @@ def test_l02_310p_ops_reject_bf16():
     assert p910.npu_rms_norm(b, torch.ones(128).bfloat16())[0].dtype == BF16
 
 
+def test_clipped_swiglu_910_is_the_documented_formula_and_deepseek_v4s_at_alpha_1_bias_0():
+    x = torch.randn(3, 8, generator=gen(31)) * 4
+    a, b = x[:, :4], x[:, 4:]
+    for alpha, limit, bias in ((1.702, 7.0, 1.0), (1.0, 2.5, 0.0)):
+        g = a.clamp(max=limit)
+        want = g * torch.sigmoid(alpha * g) * (b.clamp(-limit, limit) + bias)
+        got = p910.npu_clipped_swiglu(x, dim=-1, alpha=alpha, limit=limit, bias=bias, interleaved=False)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    silu = torch.nn.functional.silu(a.clamp(max=2.5)) * b.clamp(-2.5, 2.5)                  # DeepSeek-V4's (B08)
+    torch.testing.assert_close(p910.npu_clipped_swiglu(x, alpha=1.0, limit=2.5, bias=0.0, interleaved=False), silu)
+    odd = x[:, 1::2].clamp(-7.0, 7.0) + 1.0                                                   # interleaved: even | odd
+    even = x[:, 0::2].clamp(max=7.0)
+    torch.testing.assert_close(p910.npu_clipped_swiglu(x), even * torch.sigmoid(1.702 * even) * odd)
+    with pytest.raises(NotImplementedError, match="group_index"):
+        p910.npu_clipped_swiglu(x, group_index=torch.tensor([2]))
+
+
 def test_inplace_partial_rotary_mul_910_rotates_its_slice_as_loops_do():
     t, n, d, rd = 3, 2, 12, 8
     x = torch.randn(t, 1, n, d, generator=gen(28))

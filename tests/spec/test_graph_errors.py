@@ -184,3 +184,15 @@ def test_graph_reads_a_value_a_lowering_overwrites(tmp_path):
         f"{p}:{rope}: backend 'ascend910' overwrites input 'x' of op 'rope' in place, but 'o_rot' is read afterwards "
         f"({p}:{line(p, '{op: grouped_linear')})")
     lower_file(p)                                   # the reference copies: the same graph builds for cpu
+
+
+def test_profile_merged_weights_must_name_two_block_parameters_of_one_gemm(tmp_path):
+    merged = ("merged_weights:\n  gate_up:\n    keys: [ffn.shared_experts.w1.weight, ffn.shared_experts.w3.weight]\n"
+              "    reason: \"one GEMM\"\nruntime_formats:\n")
+    p = profile(tmp_path, "runtime_formats:\n", merged.replace("w3.weight]", "w4.weight]"))
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'gate_up:')}: merged weights 'gate_up': unknown block parameter 'ffn.shared_experts.w4.weight'")
+    p = profile(tmp_path, "runtime_formats:\n", merged.replace("shared_experts.w3", "experts.w3"))
+    assert error_of(load_profile, "cpu", p) == (
+        f"{p}:{line(p, 'gate_up:')}: merged weights 'gate_up': ffn.shared_experts.w1.weight and "
+        f"ffn.experts.w3.weight differ in class or input width, so one GEMM cannot hold both")
