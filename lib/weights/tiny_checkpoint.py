@@ -72,7 +72,7 @@ def _init(t: Logical, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
         return normal(1.0)
     if cls == "router" and key.endswith(".bias"):
         return normal(0.5)          # a selection bias spread wide enough that top-k ties are rare
-    if cls == "compressor" and key.endswith(".ape"):
+    if cls == "compressor_ape":
         return normal(0.5)
     if cls == "routed_expert" and key.endswith(".w2.weight"):
         # routed experts add to, rather than dominate, the residual stream (as in trained models),

@@ -335,6 +335,11 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
         elif kind == "window_table":                   # every entry the sequence's slot, cdiv(max_len, R) wide
             assert rows.dtype == torch.int32 and rows.shape == (2, -(-16 // key[0]))
             assert torch.equal(rows, addr.seq_slot.int()[:, None].expand_as(rows))
+        elif kind == "state_table":                    # the compressor state's: the slot + 1 (its pool's slot 0 unused)
+            assert rows.dtype == torch.int32 and rows.shape == (2, -(-16 // key[0]))
+            assert torch.equal(rows, addr.seq_slot.int()[:, None].expand_as(rows) + 1)
+        elif kind == "start_pos":                      # positions before the step, int32
+            assert torch.equal(rows, addr.seq_start.int())
     for m in addr.max_entries:
         ids = torch.arange(addr.max_entries[m] + 3).expand(seq.shape[0], -1)
         want = addr.entry_rows(m, seq[:, None].expand_as(ids).reshape(-1), ids.reshape(-1)).view(ids.shape)
@@ -342,6 +347,6 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
         assert torch.equal(addr.entry_rows_of(m, ids), want)
     kinds = {k[0] for k in addr.rows}
     assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit",
-                     "query_start", "seq_lens", "window_table", "row_ends", "row_table"}
+                     "query_start", "seq_lens", "start_pos", "window_table", "state_table", "row_ends", "row_table"}
     with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
         addr.step(("ring", 999))
