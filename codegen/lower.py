@@ -167,11 +167,19 @@ class _Lowerer:
         env = set(prog.inputs)
         body: list[str] = []
         fname = "forward" if name == "model" else name + "".join(f"_{v}" for v in kind.values())
+        pairs = self.linear_pairs(name, kind, scope)
         for i, step in enumerate(prog.steps):
-            if not step.when.matches(kind):
-                continue
+            if not step.when.matches(kind) or i in pairs.values():
+                continue                                     # a pair's second linear was made with its first
             where = self.lg.where(name, i)
             args = [self.value(v, env, pkeys, scope, where, kind) for v in step.args.values()]
+            if i in pairs:
+                second = prog.steps[pairs[i]]
+                pair = self.pair_of(step, second)
+                weight = self.value(second.args["weight"], env, pkeys, scope, where, kind)
+                body += _assign(step.out + second.out, f"{self.function(pair.call)}(", args + [weight])
+                env |= set(step.out) | set(second.out)
+                continue
             if step.op is not None:
                 rewritten = {k: self.kwarg(v) for k, v in self.rewrite.kwargs.get(step.op, {}).items()}
                 attrs = [f"{k}={v}" for k, v in {**step.attrs, **rewritten}.items()]
@@ -188,6 +196,30 @@ class _Lowerer:
         extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
         doc = prog.doc.strip() + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
         return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
+
+    def pair_of(self, first, second):
+        keys = (first.args["weight"][2:], second.args["weight"][2:])
+        return next(p for p in self.profile.shared_inputs.values() if p.keys == keys)
+
+    def linear_pairs(self, name: str, kind: dict[str, str], scope: str) -> dict[int, int]:
+        """{first step: second step} of the profile's shared inputs in this program variant: two `linear` steps
+        on the same input whose weights are a declared pair in the declared runtime format. Not in a render that
+        records, times or rewrites `linear` (its calls stay one per step there)."""
+        rw = self.rewrite
+        if not self.profile.shared_inputs or "linear" in rw.record_ops or "linear" in rw.time_ops or "linear" in rw.calls:
+            return {}
+        prog = self.lg.graph.programs[name]
+        steps = {s.args.get("weight"): (i, s) for i, s in enumerate(prog.steps)
+                 if s.op == "linear" and s.when.matches(kind)}
+        out = {}
+        for pair in self.profile.shared_inputs.values():
+            a, b = (steps.get(f"p.{k}") for k in pair.keys)
+            if a is None or b is None or a[1].args["x"] != b[1].args["x"] or a[0] > b[0]:
+                continue
+            where = self.lg.where(name, a[0])
+            if {self.dispatch_format("linear", s, scope, kind, where) for _, s in (a, b)} == {pair.format}:
+                out[a[0]] = b[0]
+        return out
 
     def check_consumed(self, name: str, i: int, step, fmt: str | None, kind: dict[str, str], where: str) -> None:
         """A lowering that overwrites an input in place (`consumes`) must get a value this program made and

@@ -138,6 +138,16 @@ class MergedWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     source: str = ""
 
 
+class SharedInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Two `linear` steps of one program reading the same input with these two weights (in this runtime format)
+    lower to one call returning both outputs, made where the first step is (its input quantised once)."""
+    keys: tuple[str, str]       # the weights' parameter keys, the earlier step's first
+    format: str                 # the runtime format both weights must have for the pair call
+    call: str                   # "module:function" (x, first, second) -> (first's output, second's output)
+    reason: str
+    source: str = ""
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -158,6 +168,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     device: Device | None = None            # the planner's device numbers (spec/hardware.py); none on cpu
     ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/distributed/expert_exchange.py)
     merged_weights: dict[str, MergedWeights] = {}   # name -> two weights the loader holds as one
+    shared_inputs: dict[str, SharedInput] = {}      # name -> two linears of one input lowered as one call
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
@@ -256,6 +267,12 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
         if (first.tensor_class, first.shape[1:]) != (second.tensor_class, second.shape[1:]):
             raise SpecError(f"{where}: merged weights '{name}': {merged.keys[0]} and {merged.keys[1]} differ in class "
                             f"or input width, so one GEMM cannot hold both")
+    for name, pair in prof.shared_inputs.items():
+        where = f"{path}:{lines[('shared_inputs', name)]}"
+        unknown = [k for k in pair.keys if k not in keys]
+        if unknown or pair.format not in runtime:
+            raise SpecError(f"{where}: shared input '{name}': " + (f"unknown parameter '{unknown[0]}'" if unknown else
+                            f"unknown runtime format '{pair.format}' (accepted: {', '.join(runtime)})"))
     for cls, fmt in prof.runtime_formats.classes.items():
         where = f"{path}:{lines[('runtime_formats', 'classes', cls)]}"
         if cls not in classes:

@@ -89,6 +89,13 @@ def linear_w8a8(x, weight: W8A8):
     return _quant_matmul(*device.npu_dynamic_quant(x.to(DTYPE)), weight)
 
 
+def linear_w8a8_pair(x, first: W8A8, second: W8A8):
+    """Two W8A8 linears of one input (profile shared_inputs): x quantised once, two quantised GEMMs, as
+    vllm-ascend's DeepSeek-V4 attention shares the hidden state's quantisation between wq_a and wkv."""
+    xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
+    return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
+
+
 def _quant_matmul(xq, xs, weight: W8A8):
     return device.npu_quant_matmul(xq, weight.qweight.t(), weight.scale, pertoken_scale=xs, output_dtype=DTYPE)
 

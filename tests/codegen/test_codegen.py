@@ -94,3 +94,30 @@ def test_every_layer_kind_gets_its_own_function():
                if f.name == "attention_swa")
     assert any("index_select" in line for line in csa.body)
     assert not any("compress" in line for line in swa.body)
+
+
+def test_a_shared_input_pair_is_one_call_where_its_weights_have_the_pair_format():
+    """ascend910's shared_inputs: wq_a and wkv (every attention kind) and CSA's wq_b and indexer wq_b become one call
+    made where the first linear is; a recording render keeps one call per linear; the pair computes exactly what the
+    two linears do."""
+    import torch
+
+    from backends.ascend910 import lowerings
+    from codegen.lower import Rewrite
+    from lib.quant.runtime_formats import quantize_rows
+
+    graph, table, p910 = load_graph(), load_tensor_table(), load_profile("ascend910")
+    fns = {f.name: "\n".join(f.body) for f in lower(graph, p910, table).functions}
+    pair = '_lowerings.linear_w8a8_pair(h, lp["attn.wq_a.weight"], lp["attn.wkv.weight"])'
+    assert all(f"q_lora, kv_flat = {pair}" in fns[f"attention_{k}"] for k in ("swa", "csa", "hca", "dspark"))
+    assert "q_flat, iq_flat = _lowerings.linear_w8a8_pair(c_q" in fns["attention_csa"]
+    assert "linear_w8a8_pair(c_q" not in fns["attention_hca"]            # no indexer: wq_b alone
+    assert fns["attention_csa"].index("iq_flat") < fns["attention_csa"].index("_attention.compress")
+    recorded = {f.name: "\n".join(f.body) for f in lower(graph, p910, table, Rewrite(record_ops=("linear",))).functions}
+    assert "linear_w8a8_pair" not in recorded["attention_csa"]
+    assert "linear_w8a8_pair" not in "\n".join("\n".join(f.body) for f in lower(graph, load_profile("cpu"), table).functions)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    w1, w2 = (quantize_rows(torch.randn(n, 64, generator=g)) for n in (16, 24))
+    a, b = lowerings.linear_w8a8_pair(x, w1, w2)
+    assert torch.equal(a, lowerings.linear_w8a8(x, w1)) and torch.equal(b, lowerings.linear_w8a8(x, w2))

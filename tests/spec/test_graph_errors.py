@@ -196,3 +196,13 @@ def test_profile_merged_weights_must_name_two_block_parameters_of_one_gemm(tmp_p
     assert error_of(load_profile, "cpu", p) == (
         f"{p}:{line(p, 'gate_up:')}: merged weights 'gate_up': ffn.shared_experts.w1.weight and "
         f"ffn.experts.w3.weight differ in class or input width, so one GEMM cannot hold both")
+
+
+def test_profile_shared_input_names_known_parameters_and_format(tmp_path):
+    pair = ('shared_inputs:\n  qkv:\n    keys: [attn.wq_a.weight, attn.wkv.weight]\n    format: w8a8_row\n'
+            '    call: "backends.cpu.ops.basic:linear"\n    reason: "one quantisation"\nruntime_formats:\n')
+    p = profile(tmp_path, "runtime_formats:\n", pair.replace("attn.wkv.weight", "attn.wkv_b.weight"))
+    assert error_of(load_profile, "cpu", p) == f"{p}:{line(p, 'qkv:')}: shared input 'qkv': unknown parameter 'attn.wkv_b.weight'"
+    p = profile(tmp_path, "runtime_formats:\n", pair.replace("w8a8_row", "w8a8_rows"))
+    assert error_of(load_profile, "cpu", p).startswith(
+        f"{p}:{line(p, 'qkv:')}: shared input 'qkv': unknown runtime format 'w8a8_rows' (accepted: ")
