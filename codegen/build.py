@@ -89,10 +89,12 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "lessons": sorted(profile.lessons.items()),
         "expert_modes": sorted(expert_modes.items()),
         "merged": [m.keys for m in profile.merged_weights.values()],
-        "pairing": [{"kind": kind, "name": name, "params": " + ".join(f"`{k}`" for k in entry.keys),
-                     "reason": entry.reason, "source": entry.source}
+        "pairing": [{"kind": kind, "name": name, "reason": entry.reason, "source": entry.source,
+                     "params": " + ".join(f"`{k}`" for k in getattr(entry, "keys", None) or (entry.key,))}
                     for kind, table_ in (("one weight (merged_weights)", profile.merged_weights),
-                                         ("one input, one call (shared_inputs)", profile.shared_inputs))
+                                         ("one input, one call (shared_inputs)", profile.shared_inputs),
+                                         ("norm and quantisation, one call (quantised_norms)",
+                                          profile.quantised_norms))
                     for name, entry in table_.items()],
         "record": bool(rewrite.record_ops) or rewrite.record_dispatch,
         "record_dispatch": rewrite.record_dispatch,

@@ -12,7 +12,7 @@ import re
 from typing import Mapping, NamedTuple
 
 from spec.graph import BATCH_FIELDS, CACHE_FIELDS, LoadedGraph, Program, Step
-from spec.profile import Profile
+from spec.profile import Profile, QuantisedNorm
 from spec.schedule import LayerInfo
 from spec.tables import TensorTable
 from spec.yamlio import SpecError
@@ -168,6 +168,7 @@ class _Lowerer:
         body: list[str] = []
         fname = "forward" if name == "model" else name + "".join(f"_{v}" for v in kind.values())
         pairs = self.linear_pairs(name, kind, scope)
+        norms = self.quantised_norms(name, kind, scope)
         for i, step in enumerate(prog.steps):
             if not step.when.matches(kind) or i in pairs.values():
                 continue                                     # a pair's second linear was made with its first
@@ -179,6 +180,11 @@ class _Lowerer:
                 weight = self.value(second.args["weight"], env, pkeys, scope, where, kind)
                 body += _assign(step.out + second.out, f"{self.function(pair.call)}(", args + [weight])
                 env |= set(step.out) | set(second.out)
+                continue
+            if i in norms:
+                attrs = [f"{k}={v}" for k, v in step.attrs.items()]
+                body += _assign(step.out, f"{self.function(norms[i].call)}(", args + attrs)
+                env |= set(step.out)
                 continue
             if step.op is not None:
                 rewritten = {k: self.kwarg(v) for k, v in self.rewrite.kwargs.get(step.op, {}).items()}
@@ -219,6 +225,30 @@ class _Lowerer:
             where = self.lg.where(name, a[0])
             if {self.dispatch_format("linear", s, scope, kind, where) for _, s in (a, b)} == {pair.format}:
                 out[a[0]] = b[0]
+        return out
+
+    def quantised_norms(self, name: str, kind: dict[str, str], scope: str) -> dict[int, QuantisedNorm]:
+        """{step: declaration} of the profile's quantised norms in this program variant: an `rms_norm` step with the
+        declared weight whose output is read by one or more later steps, every one a `linear` whose weight has the
+        declared runtime format, and is not a result. Not in a render that records, times or rewrites either op."""
+        rw = self.rewrite
+        ops = ("rms_norm", "linear")
+        if not self.profile.quantised_norms or any(op in rw.record_ops or op in rw.time_ops or op in rw.calls
+                                                   for op in ops):
+            return {}
+        prog = self.lg.graph.programs[name]
+        out = {}
+        for i, step in enumerate(prog.steps):
+            norm = next((n for n in self.profile.quantised_norms.values()
+                         if step.op == "rms_norm" and step.args.get("weight") == f"p.{n.key}"), None)
+            if norm is None or not step.when.matches(kind) or step.out[0] in prog.returns:
+                continue
+            readers = [(j, s) for j, s in enumerate(prog.steps) if j > i and s.when.matches(kind)
+                       and step.out[0] in {_base(v) for v in s.args.values()}]
+            if readers and all(s.op == "linear" and s.args.get("x") == step.out[0]
+                               and self.dispatch_format("linear", s, scope, kind, self.lg.where(name, j)) == norm.format
+                               for j, s in readers):
+                out[i] = norm
         return out
 
     def check_consumed(self, name: str, i: int, step, fmt: str | None, kind: dict[str, str], where: str) -> None:

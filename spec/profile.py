@@ -148,6 +148,16 @@ class SharedInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     source: str = ""
 
 
+class QuantisedNorm(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An `rms_norm` step with this weight whose output only linears of this runtime format read lowers to one
+    call returning the normed rows already quantised for them (the linears then skip their own quantisation)."""
+    key: str                    # the norm's weight parameter key
+    format: str                 # the runtime format every reader's weight must have
+    call: str                   # "module:function" (x, weight, eps) -> quantised rows the format's linears take
+    reason: str
+    source: str = ""
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     doc: str
@@ -169,6 +179,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ep_dispatch: EpDispatch = EpDispatch()  # expert-parallel token exchange (lib/distributed/expert_exchange.py)
     merged_weights: dict[str, MergedWeights] = {}   # name -> two weights the loader holds as one
     shared_inputs: dict[str, SharedInput] = {}      # name -> two linears of one input lowered as one call
+    quantised_norms: dict[str, QuantisedNorm] = {}  # name -> a norm that hands its linears quantised rows
     quirks: dict[str, Quirk] = {}
     lessons: dict[LessonId, str] = {}       # lesson id -> how this backend handles it
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
@@ -273,6 +284,11 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
         if unknown or pair.format not in runtime:
             raise SpecError(f"{where}: shared input '{name}': " + (f"unknown parameter '{unknown[0]}'" if unknown else
                             f"unknown runtime format '{pair.format}' (accepted: {', '.join(runtime)})"))
+    for name, norm in prof.quantised_norms.items():
+        where = f"{path}:{lines[('quantised_norms', name)]}"
+        if norm.key not in keys or norm.format not in runtime:
+            raise SpecError(f"{where}: quantised norm '{name}': " + (f"unknown parameter '{norm.key}'" if norm.key not in
+                            keys else f"unknown runtime format '{norm.format}' (accepted: {', '.join(runtime)})"))
     for cls, fmt in prof.runtime_formats.classes.items():
         where = f"{path}:{lines[('runtime_formats', 'classes', cls)]}"
         if cls not in classes:

@@ -41,6 +41,7 @@ DEVICE_OPS = MappingProxyType({
     "compressor": ("L22",),
     "inplace_partial_rotary_mul": ("L22",),
     "npu_clipped_swiglu": ("L22",),
+    "npu_rms_norm_dynamic_quant": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
 
@@ -121,6 +122,20 @@ def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, b
     a, b = (xf.unflatten(dim, (-1, 2)).unbind(dim if dim < 0 else dim + 1) if interleaved else xf.chunk(2, dim))
     a = a.clamp(max=limit)
     return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + bias)).to(x.dtype)
+
+
+@device_op("npu_rms_norm_dynamic_quant", CHIP, SOC)
+def npu_rms_norm_dynamic_quant(x, gamma, smooth_scale=None, beta=None, epsilon=1e-6):
+    """vllm-ascend's fused RMSNorm + per-token int8 quantisation (torch.ops._C_ascend): y = RmsNorm(x) * gamma (+ beta)
+    rounded to x's dtype, then cast to fp32 (times smooth_scale) and quantised symmetrically per row, as CANN's
+    AddRmsNormDynamicQuant documents the same chain (yFP32 = cast(y)): the composite npu_rms_norm then
+    npu_dynamic_quant, bit for bit."""
+    if (real := fused.real_op("npu_rms_norm_dynamic_quant")) is not None:
+        return emu.forward(real, locals())
+    y, _ = emu.rms_norm(x, gamma, epsilon, soc=SOC)
+    if beta is not None:
+        y = (y.float() + beta.float()).to(x.dtype)
+    return _dynamic_quant(y, smooth_scale, None, None, "pertoken", 0.0)
 
 
 @device_op("npu_scatter_nd_update_", CHIP, SOC)

@@ -7,6 +7,7 @@ are W4A8 grouped matmuls between `npu_moe_init_routing_v2` and `npu_moe_token_un
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -84,15 +85,31 @@ def rope(x, angles, rope_dim: int, inverse: bool = False):
     return heads.view(x.shape)
 
 
+class QuantisedRows(NamedTuple):
+    """Rows already quantised for W8A8 linears (profile quantised_norms): what npu_dynamic_quant would return."""
+    values: torch.Tensor        # [T, K] int8
+    scale: torch.Tensor         # [T] fp32, per token
+
+
+def rms_norm_quant(x, weight, eps: float) -> QuantisedRows:
+    """RMSNorm and the per-token int8 quantisation of its bf16 output in one npu_rms_norm_dynamic_quant, for a norm
+    only W8A8 linears read (vllm-ascend's DeepSeek-V4 attention normalises and quantises its q latent this way)."""
+    return QuantisedRows(*device.npu_rms_norm_dynamic_quant(x.to(DTYPE), weight, epsilon=eps))
+
+
+def _quantised(x) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(x) if isinstance(x, QuantisedRows) else device.npu_dynamic_quant(x.to(DTYPE))
+
+
 def linear_w8a8(x, weight: W8A8):
-    """Per-token dynamic int8 activations x int8 weight rows, bf16 out (L21)."""
-    return _quant_matmul(*device.npu_dynamic_quant(x.to(DTYPE)), weight)
+    """Per-token dynamic int8 activations x int8 weight rows, bf16 out (L21); x bf16 rows or QuantisedRows."""
+    return _quant_matmul(*_quantised(x), weight)
 
 
 def linear_w8a8_pair(x, first: W8A8, second: W8A8):
     """Two W8A8 linears of one input (profile shared_inputs): x quantised once, two quantised GEMMs, as
     vllm-ascend's DeepSeek-V4 attention shares the hidden state's quantisation between wq_a and wkv."""
-    xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
+    xq, xs = _quantised(x)
     return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
 
 

@@ -73,6 +73,10 @@ def npu_dynamic_quant(input, *, dst_type=None, quant_mode="pertoken", **unused):
     return q, input.new_empty(shape, dtype=F32)
 
 
+def npu_rms_norm_dynamic_quant(x, gamma, smooth_scale=None, beta=None, epsilon=1e-6):
+    return x.new_empty(x.shape, dtype=I8), x.new_empty(x.shape[:-1], dtype=F32)
+
+
 def _int_mm(self, mat2):
     return self.new_empty((self.shape[0], mat2.shape[1]), dtype=I32)
 
@@ -122,7 +126,7 @@ def npu_clipped_swiglu(x, *, dim=-1, **unused):
     return x.new_empty(shape)
 
 
-FAKES = {f.__name__: f for f in (npu_clipped_swiglu, compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+FAKES = {f.__name__: f for f in (npu_clipped_swiglu, npu_rms_norm_dynamic_quant, compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
                                  npu_scatter_nd_update_, npu_dynamic_quant, _int_mm,
                                  _fused_rms_norm)}

@@ -121,3 +121,34 @@ def test_a_shared_input_pair_is_one_call_where_its_weights_have_the_pair_format(
     w1, w2 = (quantize_rows(torch.randn(n, 64, generator=g)) for n in (16, 24))
     a, b = lowerings.linear_w8a8_pair(x, w1, w2)
     assert torch.equal(a, lowerings.linear_w8a8(x, w1)) and torch.equal(b, lowerings.linear_w8a8(x, w2))
+
+
+def test_a_quantised_norm_hands_its_linears_quantised_rows_only_where_linears_alone_read_it():
+    """ascend910's quantised_norms: q_norm's output is read only by W8A8 linears (wq_b, CSA's pair with the indexer
+    wq_b), so it is one npu_rms_norm_dynamic_quant in every attention kind; a norm something else reads (attn_norm:
+    the compressors and the indexer's weights_proj read h in bf16) stays a norm even when declared; a recording render
+    keeps the plain norm; the quantised rows give bit for bit what the norm and the linear's own quantisation give."""
+    import msgspec
+    import torch
+
+    from backends.ascend910 import lowerings
+    from codegen.lower import Rewrite
+    from lib.quant.runtime_formats import quantize_rows
+    from spec.profile import QuantisedNorm
+
+    graph, table, p910 = load_graph(), load_tensor_table(), load_profile("ascend910")
+    fns = {f.name: "\n".join(f.body) for f in lower(graph, p910, table).functions}
+    norm = 'c_q = _lowerings.rms_norm_quant(q_lora, lp["attn.q_norm.weight"], eps=cfg.rms_norm_eps)'
+    assert all(norm in fns[f"attention_{k}"] for k in ("swa", "csa", "hca", "dspark"))
+    recorded = {f.name: "\n".join(f.body) for f in lower(graph, p910, table, Rewrite(record_ops=("rms_norm",))).functions}
+    assert "rms_norm_quant" not in recorded["attention_csa"]
+    declared = msgspec.structs.replace(p910, quantised_norms={**p910.quantised_norms, "h": QuantisedNorm(
+        "attn_norm.weight", "w8a8_row", "backends.ascend910.lowerings:rms_norm_quant", "test")})
+    block = {f.name: "\n".join(f.body) for f in lower(graph, declared, table).functions}["block"]
+    assert "h = _lowerings.rms_norm(u_attn" in block and "rms_norm_quant(u_attn" not in block
+    g = torch.Generator().manual_seed(9)
+    x, gamma = torch.randn(5, 64, generator=g).bfloat16(), (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+    w = quantize_rows(torch.randn(24, 64, generator=g))
+    rows = lowerings.rms_norm_quant(x, gamma, 1e-6)
+    assert rows.values.dtype == torch.int8 and rows.scale.shape == (5,)
+    assert torch.equal(lowerings.linear_w8a8(rows, w), lowerings.linear_w8a8(lowerings.rms_norm(x, gamma, 1e-6), w))

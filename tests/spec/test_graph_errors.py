@@ -1,6 +1,8 @@
 """Pinned error messages for a malformed graph.yaml or backend profile (the same method as
 test_spec_errors.py: a real file with one targeted edit, the whole message asserted)."""
 
+import pytest
+
 from codegen.lower import lower
 from spec.config import CONFIG_KEYS, RANK_KEYS
 from spec.graph import load_graph
@@ -198,11 +200,16 @@ def test_profile_merged_weights_must_name_two_block_parameters_of_one_gemm(tmp_p
         f"ffn.experts.w3.weight differ in class or input width, so one GEMM cannot hold both")
 
 
-def test_profile_shared_input_names_known_parameters_and_format(tmp_path):
-    pair = ('shared_inputs:\n  qkv:\n    keys: [attn.wq_a.weight, attn.wkv.weight]\n    format: w8a8_row\n'
-            '    call: "backends.cpu.ops.basic:linear"\n    reason: "one quantisation"\nruntime_formats:\n')
-    p = profile(tmp_path, "runtime_formats:\n", pair.replace("attn.wkv.weight", "attn.wkv_b.weight"))
-    assert error_of(load_profile, "cpu", p) == f"{p}:{line(p, 'qkv:')}: shared input 'qkv': unknown parameter 'attn.wkv_b.weight'"
-    p = profile(tmp_path, "runtime_formats:\n", pair.replace("w8a8_row", "w8a8_rows"))
+@pytest.mark.parametrize("section, name, what, key, entry", [
+    ("shared_inputs", "qkv", "shared input", "attn.wkv.weight",
+     "keys: [attn.wq_a.weight, attn.wkv.weight]\n    call: \"backends.cpu.ops.basic:linear\""),
+    ("quantised_norms", "q", "quantised norm", "attn.q_norm.weight",
+     "key: attn.q_norm.weight\n    call: \"backends.cpu.ops.basic:rms_norm\""),
+])
+def test_profile_pairings_name_known_parameters_and_formats(tmp_path, section, name, what, key, entry):
+    text = f"{section}:\n  {name}:\n    {entry}\n    format: w8a8_row\n    reason: \"one call\"\nruntime_formats:\n"
+    p = profile(tmp_path, "runtime_formats:\n", text.replace(key, key + "s"))
+    assert error_of(load_profile, "cpu", p) == f"{p}:{line(p, name + ':')}: {what} '{name}': unknown parameter '{key}s'"
+    p = profile(tmp_path, "runtime_formats:\n", text.replace("w8a8_row", "w8a8_rows"))
     assert error_of(load_profile, "cpu", p).startswith(
-        f"{p}:{line(p, 'qkv:')}: shared input 'qkv': unknown runtime format 'w8a8_rows' (accepted: ")
+        f"{p}:{line(p, name + ':')}: {what} '{name}': unknown runtime format 'w8a8_rows' (accepted: ")
