@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond max-num-seqs before new ones get 503 + Retry-After")
     p.add_argument("--speculative", choices=["dspark", "none"], help="default: dspark where the checkpoint has it")
+    p.add_argument("--adaptive-drafting", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft only while drafting measures faster than plain decoding, each request as far as its "
+                        "drafts survive (default); --no-adaptive-drafting drafts a full block at every decode step")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="never replay captured step graphs (default: graphs where the device has a graph API, "
                         "eager on the CPU emulation; --no-enforce-eager captures there too)")
@@ -107,7 +110,8 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     args.load_options = lambda a: LoadOptions(expert_mode=a.expert_mode, preconverted=a.preconverted)
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.num_blocks,
                           args.speculative or "auto", args.enforce_eager,
-                          None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes))
+                          None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes),
+                          args.adaptive_drafting)
     engine = launch(launch_spec(args, path, config))
     tokenizer = Tokenizer.from_dir(path)
     metrics = ServerMetrics(name)

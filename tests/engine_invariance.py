@@ -29,7 +29,8 @@ PROMPTS = [prompt_ids(40, 1024, seed=11), prompt_ids(3, 1024, seed=12), prompt_i
 def run(model, prompts, *, speculative: str, chunk: int, tokens: int, graphs: tuple[int, ...] | None = None,
         replayed: list | None = None) -> list[list[int]]:
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk, speculative=speculative,
-                          max_model_len=256 if graphs else None, enforce_eager=graphs is None, cuda_graph_sizes=graphs)
+                          max_model_len=256 if graphs else None, enforce_eager=graphs is None, cuda_graph_sizes=graphs,
+                          adaptive_drafting=False)      # a full draft block every decode step: the invariance is of it
     engine = Engine(model, config)
     out = [r.output for r in engine.generate(prompts, SamplingParams(max_tokens=tokens))]
     if replayed is not None:

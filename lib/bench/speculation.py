@@ -7,8 +7,10 @@ many concurrent greedy requests (distinct prompts of 24-40 fixed token ids) to a
 `lib.engine.llm_engine.Engine` and runs them to completion with `engine.generate`, in three modes:
 
 - plain:                    speculative="none"
-- dspark:                   speculative="dspark", the checkpoint's own drafter
-- dspark (oracle drafter):  speculative="dspark", but `lib.engine.drafting.propose` is patched so every
+- dspark (adaptive):        speculative="dspark", the checkpoint's own drafter, drafting while it pays and each
+                            request as far as its drafts survive (the default: lib/engine/draft_policy.py)
+- dspark (every step):      the same drafter with adaptive_drafting=False: a full block at every decode step
+- dspark (oracle drafter):  speculative="dspark" (adaptive), but `lib.engine.drafting.propose` is patched so every
                             draft block is the target's own greedy continuation (known from a
                             reference plain run). The real drafter still runs (its cost is kept);
                             only its tokens are replaced. An upper bound: every draft is accepted.
@@ -29,9 +31,11 @@ from pathlib import Path
 
 import torch
 
-MODES = ("plain", "dspark", "oracle")
-LABELS = {"plain": "plain", "dspark": "dspark", "oracle": "dspark (oracle drafter)"}
-SPECULATIVE = {"plain": "none", "dspark": "dspark", "oracle": "dspark"}
+MODES = ("plain", "dspark", "always", "oracle")
+LABELS = {"plain": "plain", "dspark": "dspark (adaptive)", "always": "dspark (every step)",
+          "oracle": "dspark (oracle drafter)"}
+SPECULATIVE = {"plain": "none", "dspark": "dspark", "always": "dspark", "oracle": "dspark"}
+DRAFTING = ("dspark", "always", "oracle")
 MAX_BATCH = 16                     # EngineConfig(max_num_seqs=16): every request of a run is concurrent
 N_PROMPTS = MAX_BATCH
 
@@ -111,7 +115,8 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
     from lib.engine.llm_engine import Engine, EngineConfig
     from lib.engine.sampling import SamplingParams
 
-    config = EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512, speculative=SPECULATIVE[mode])
+    config = EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512, speculative=SPECULATIVE[mode],
+                          adaptive_drafting=mode != "always")
     engine = Engine(model, config, drafter=oracle_drafter(references)) if mode == "oracle" else Engine(model, config)
     first: dict[str, float] = {}
     steps = 0
@@ -181,10 +186,10 @@ def table(result: dict) -> str:
     lines.append(head)
     section("generated tokens/s (wall clock, prefill included)", MODES,
             lambda m, b: cell[m, b]["tokens_per_s"], ".1f")
-    section("ratio to plain tokens/s", ("dspark", "oracle"),
+    section("ratio to plain tokens/s", DRAFTING,
             lambda m, b: result["speedup"][m][str(b)], ".2f", "x")
     section("time to first token, mean ms", MODES, lambda m, b: 1e3 * cell[m, b]["ttft_mean_s"], ".0f")
-    section(f"accepted drafts per DSpark step (mean, of gamma={result['gamma']})", ("dspark", "oracle"),
+    section(f"accepted drafts per DSpark step (mean, of gamma={result['gamma']})", DRAFTING,
             lambda m, b: cell[m, b]["mean_accepted_per_dspark_step"], ".2f")
     section("tokens per target forward (per request)", MODES,
             lambda m, b: cell[m, b]["tokens_per_target_forward"], ".2f")
@@ -238,8 +243,8 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     run_once(model, prompts[:1], min(args.tokens, 4), "dspark")
 
     runs, failures = [], []
-    # modes interleaved per batch (and repeats innermost): fairer when the machine's load drifts
-    jobs = [(b, m) for b in args.batches for m in MODES for _ in range(args.repeats)]
+    # each repeat runs every mode once, in turn: fairer when the machine's speed drifts
+    jobs = [(b, m) for b in args.batches for _ in range(args.repeats) for m in MODES]
     tries: dict[tuple[str, int], list[dict]] = {}
     for b, m in tqdm(jobs, desc="engine runs", unit="run", disable=args.no_progress, file=sys.stderr):
         run = run_once(model, prompts[:b], args.tokens, m, references)
@@ -260,7 +265,7 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     gamma = next((r["gamma"] for r in runs if r["gamma"]), 0)
     cell = {(r["mode"], r["batch"]): r for r in runs}
     speedup = {m: {str(b): cell[m, b]["tokens_per_s"] / cell["plain", b]["tokens_per_s"] for b in args.batches}
-               for m in ("dspark", "oracle")}
+               for m in DRAFTING}
     result = {
         "command": command, "argv": argv, "backend": args.backend, "checkpoint": str(path),
         "embedded_tiny": not args.checkpoint, "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -283,8 +288,9 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     per_cell = "one run per cell" if args.repeats == 1 else f"the fastest of {args.repeats} runs per cell"
     print("  - tokens/s = generated tokens / wall clock from submitting all requests to the last finishing")
     print(f"    ({per_cell}; model load excluded, prefill included); time to first token is from submission.")
-    print("  - the tiny checkpoint's drafter is randomly initialised, so real DSpark acceptance is near zero and the")
-    print("    'dspark' row mostly measures drafting + verification overhead.")
+    print("  - the tiny checkpoint's drafter is randomly initialised, so real DSpark acceptance is near zero: the")
+    print("    'every step' row measures drafting + verification overhead, the 'adaptive' row how much of it the")
+    print("    engine avoids by stepping aside (a probe of drafting now and then, lib/engine/draft_policy.py).")
     print("  - 'dspark (oracle drafter)' proposes the target's own greedy continuation (from a plain reference run):")
     print("    every draft is accepted, an upper bound of what the machinery yields. The real drafter still runs")
     print("    for its cost; only its proposed tokens are replaced.")

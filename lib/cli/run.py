@@ -28,6 +28,8 @@ def add_arguments(sub, backend_names: list[str], model_path, load_options) -> No
             s.add_argument("--raw", action="store_true", help="send the prompt as is, without the V4 chat encoding")
             s.add_argument("--speculative", choices=["dspark", "none"],
                            help="drafting (default: dspark where the checkpoint has a DSpark drafter)")
+            s.add_argument("--adaptive-drafting", action=argparse.BooleanOptionalAction, default=True,
+                           help="draft only while it pays (default); --no-adaptive-drafting: a full block every step")
             s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
             s.add_argument("--top-p", type=float, default=1.0)
             s.add_argument("--top-k", type=int, default=0)
@@ -53,7 +55,8 @@ def cmd_run(args) -> int:
     path = args.model_path(args)
     tok = Tokenizer.from_dir(path)
     spec = launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto",
-                                                         enforce_eager=args.enforce_eager))
+                                                         enforce_eager=args.enforce_eager,
+                                                         adaptive_drafting=args.adaptive_drafting))
     layout = f", TP={spec.tp} EP={spec.ep} in {max(spec.tp, spec.ep)} processes" if max(spec.tp, spec.ep) > 1 else ""
     with Stages(f"run {args.backend}")(f"loading {path}{layout}"):
         engine = launch(spec)

@@ -13,6 +13,7 @@ Must not know: HTTP, chat formats. The server drives `step()` from its own loop.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Iterable, NamedTuple
 
 import torch
@@ -21,6 +22,7 @@ from lib.engine import drafting as dspark
 from lib.records.batch import make_batch
 from lib.engine.emit import emit, finish, row_logprobs
 from lib.engine import cache_sizing as engine_cache
+from lib.engine.draft_policy import DraftPolicy
 from lib.engine.graph_mode import StepGraphs, capture_sizes, graph_mode_on
 from lib.runtime.paged_step import paged_step
 from lib.engine.requests import Request, RequestOutput
@@ -38,6 +40,8 @@ class EngineConfig(NamedTuple):
     speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
     enforce_eager: bool | None = None       # True: never replay captured graphs; None: the device's default
     cuda_graph_sizes: tuple[int, ...] | None = None   # graph batch buckets (lib/engine/graph_mode.py)
+    adaptive_drafting: bool = True          # draft only while it pays, each request as far as it survives
+                                            # (lib/engine/draft_policy.py); False: a full block every decode step
 
 
 def dspark_drafter(model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
@@ -76,6 +80,14 @@ class Engine:
         self._ids = itertools.count()
         self.drafted = [0] * self.gamma             # engine-wide per-position counters (metrics)
         self.accepted = [0] * self.gamma
+        self.policy = DraftPolicy(self.gamma, adaptive=config.adaptive_drafting)
+        self.scheduler.planned_drafts = self._planned_drafts
+        self._gate_open = False
+        self._next_gate: bool | None = None         # another rank's gate decision for the next step (hold_gate)
+        self._drafted_last = False
+        # committed positions' target features not yet made into drafter ring rows, per request: (first position,
+        # rows [n, k*d]), at most a window of them; made only before the request drafts (_flush_rings)
+        self._unwritten: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def _speculative_mode(self, mode: str) -> bool:
         if mode not in ("auto", "dspark", "none"):
@@ -120,6 +132,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its cache blocks are freed at once."""
         req = self.requests.pop(request_id, None)
+        self.policy.forget(request_id)
+        self._unwritten.pop(request_id, None)
         if req is not None and not req.finished:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
@@ -134,12 +148,30 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     # ---- one step ------------------------------------------------------------------------
+    def hold_gate(self, open_: bool) -> None:
+        """Draft (or not) in the next step whatever this engine's own measurements say: the ranks of a parallel
+        job follow rank 0's gate (lib/launcher/ranks.py), as their collectives must line up."""
+        self._next_gate = open_
+
+    def _planned_drafts(self, req: Request) -> int:
+        return self.policy.planned(req.id) if self._gate_open else 0
+
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        gate, self._next_gate = self._next_gate, None
+        self._gate_open = bool(self.speculative) and (self.policy.draft_this_step() if gate is None else gate)
         plan, refused = self.scheduler.schedule()
         outputs = [self._refuse(r) for r in refused]
         if not plan:
             return outputs
+        decode_only = all(s.request.decoding for s in plan)
+        flushed = time.perf_counter()
+        self._flush_rings([s.request.id for s in plan if s.drafts])
+        if not self._drafted_last:     # the backlog of a plain stretch: paid once, not a cost of drafting on
+            started += time.perf_counter() - flushed
         drafts = self._draft([s for s in plan if s.drafts])
+        plan = [s._replace(feed=1 + len(drafts[s.request.id].tokens), drafts=len(drafts[s.request.id].tokens))
+                if s.drafts else s for s in plan]
         chunks = []
         for s in plan:
             req = s.request
@@ -155,7 +187,12 @@ class Engine:
             outputs.append(self._advance(s, logits[lo: lo + s.feed], None if hidden is None else hidden[lo: lo + s.feed],
                                          drafts.get(s.request.id)))
             lo += s.feed
-        return [o for o in outputs if o is not None]
+        outputs = [o for o in outputs if o is not None]
+        self._drafted_last = any(s.drafts for s in plan)
+        if decode_only and self.speculative:
+            self.policy.step_done(self._drafted_last, time.perf_counter() - started,
+                                  sum(len(o.new_tokens) for o in outputs), len(plan))
+        return outputs
 
     def _advance(self, s: Scheduled, logits: torch.Tensor, hidden, draft) -> RequestOutput | None:
         """Sample or verify one request's rows, commit what was accepted, emit tokens."""
@@ -168,6 +205,7 @@ class Engine:
             return None
         if s.drafts:
             verdict = verify(logits, torch.tensor(draft.tokens), draft.probs, req.params, req.generator)
+            self.policy.verified(req.id, draft.confidence, s.drafts, verdict.accepted)
             tokens = verdict.tokens
             for k in range(s.drafts):
                 req.drafted[k] += 1
@@ -184,17 +222,38 @@ class Engine:
         out = emit(req, tokens, logits[: len(tokens)] if s.drafts else logits[-1:], self.logprob_scorer)
         if req.finished:
             self.scheduler.remove(req)
+            self.policy.forget(req.id)
+            self._unwritten.pop(req.id, None)
         return out
 
     def _commit(self, req: Request, length: int, hidden, start: int) -> None:
         self.store.set_length(req.id, length)
         # Ring rows only for positions a ring can still read: [L - W, L) with L only growing, so a
         # long prompt's earlier rows would be computed (main_proj, every stage's wkv) for nothing.
-        first = max(start, length - self.model.cfg.sliding_window)
+        window = self.model.cfg.sliding_window
+        first = max(start, length - window)
         if hidden is not None and first < length:
-            rows = dspark.context_rows(self.model, hidden[first - start: length - start], torch.arange(first, length))
-            engine_cache.write_draft_rows(self.store, req.id, first, rows)
+            kept = [] if start == 0 else self._unwritten.get(req.id, [])     # from 0: a (re)computed history
+            kept.append((first, hidden[first - start: length - start].clone()))   # not a view of the whole step
+            while kept[0][0] + kept[0][1].shape[0] <= length - window:       # rings hold the last window only
+                kept.pop(0)
+            self._unwritten[req.id] = kept
         req.computed = length
+
+    def _flush_rings(self, request_ids: list[str]) -> None:
+        """The drafter ring rows of every committed position these requests have not had made yet, in one
+        drafter-context pass over all of them: a pass per request costs, at batch 16, as much as the step itself,
+        and a request that does not draft (the gate closed, its drafting paused) pays nothing for its rings."""
+        work = [(rid, first, h) for rid in request_ids for first, h in self._unwritten.pop(rid, [])]
+        if not work:
+            return
+        hidden = torch.cat([h for _, _, h in work])
+        positions = torch.cat([torch.arange(first, first + h.shape[0]) for _, first, h in work])
+        rows = dspark.context_rows(self.model, hidden, positions)
+        lo = 0
+        for rid, first, h in work:
+            engine_cache.write_draft_rows(self.store, rid, first, [r[lo: lo + h.shape[0]] for r in rows])
+            lo += h.shape[0]
 
     def _draft(self, plan: list[Scheduled]) -> dict[str, "_Draft"]:
         if not plan:
@@ -210,8 +269,12 @@ class Engine:
             return torch.tensor(ids), torch.stack(probs)
 
         block = self.drafter(self.model, reqs, self.store, choose)
-        return {r.id: _Draft(block.tokens[i, : s.drafts].tolist(), block.probs[i, : s.drafts])
-                for i, (r, s) in enumerate(zip(reqs, plan))}
+        out = {}
+        for i, (r, s) in enumerate(zip(reqs, plan)):
+            n = self.policy.length(r.id, block.confidence[i], s.drafts)
+            probs = None if block.probs is None else block.probs[i, :n]
+            out[r.id] = _Draft(block.tokens[i, :n].tolist(), probs, block.confidence[i])
+        return out
 
     def _refuse(self, req: Request) -> RequestOutput:
         req.error = (f"the KV cache ({engine_cache.total_blocks(self.store)} blocks) cannot hold request {req.id} "
@@ -229,7 +292,8 @@ class Engine:
 
 class _Draft(NamedTuple):
     tokens: list[int]
-    probs: torch.Tensor        # [drafts, V]
+    probs: torch.Tensor | None   # [drafts, V] (None: greedy)
+    confidence: torch.Tensor     # [gamma] the block's confidence logits
 
 
 def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int, scorer) -> None:

@@ -41,6 +41,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0                  # total since start (server metrics)
+        # drafts a decoding request would propose this step (the engine's draft policy); default: a full block
+        self.planned_drafts = lambda req: config.draft_tokens
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -92,7 +94,7 @@ class Scheduler:
         # Never draft past what the request may still emit or past the context limit: the
         # verify forward writes positions computed .. computed + drafts.
         room = self.config.max_model_len - req.computed - 1
-        return max(0, min(self.config.draft_tokens, req.remaining - 1, room, budget - 1))
+        return max(0, min(self.planned_drafts(req), req.remaining - 1, room, budget - 1))
 
     def _admit(self, req: Request, n: int) -> bool:
         reserve = self.config.decode_reserve_blocks * len(self.running)

@@ -5,7 +5,8 @@ inherited from a forked parent, B11), every rank joins the process group before 
 (L17), binds itself to its NUMA node where the machine has several (L20), and loads its own
 shard. Rank 0's engine takes requests; each `step()` first broadcasts the commands received since
 the last step (add, abort, release), so every rank's engine holds the same requests and makes the
-same scheduling and sampling decisions (a request without a seed gets one chosen on rank 0), and
+same scheduling, drafting and sampling decisions (a request without a seed gets one chosen on rank 0; whether a
+step drafts, which depends on rank 0's timings, is sent along: lib/engine/draft_policy.py), and
 the generated code's collectives line up. A worker that dies is noticed by a monitor thread.
 """
 from __future__ import annotations
@@ -127,7 +128,9 @@ class ReplicatedEngine:
     def step(self):
         import torch.distributed as dist
 
-        box, self._pending = [self._pending], []
+        gate = self.engine.policy.draft_this_step()    # rank 0's timings decide whether every rank drafts
+        self.engine.hold_gate(gate)
+        box, self._pending = [self._pending + [("hold_gate", gate)]], []
         dist.broadcast_object_list(box, src=0)
         return self.engine.step()
 

@@ -148,7 +148,8 @@ def _engine_run(dev: Model, prompts: list[list[int]], speculative: str, scorer=t
     """Greedy generation with logprobs; an engine that breaks is a finding of the report, not a crash of it."""
     params = SamplingParams(max_tokens=ENGINE_TOKENS, logprobs=2, prompt_logprobs=1)
     try:
-        engine = Engine(dev, EngineConfig(max_num_seqs=len(prompts), speculative=speculative), logprob_scorer=scorer)
+        config = EngineConfig(max_num_seqs=len(prompts), speculative=speculative, adaptive_drafting=False)  # verify every step
+        engine = Engine(dev, config, logprob_scorer=scorer)
         done = engine.generate(prompts, params)
     except (IndexError, RuntimeError, ValueError) as err:
         return EngineRun(None, 0, (0, 0), f"{type(err).__name__}: {err}")

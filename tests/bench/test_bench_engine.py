@@ -1,6 +1,6 @@
 """The engine benchmark runs end to end with tiny settings and writes the JSON it promises.
 
-No timing assertions: this checks the benchmark's plumbing (three modes, oracle drafter, lossless
+No timing assertions: this checks the benchmark's plumbing (four modes, oracle drafter, lossless
 check, JSON keys), not the engine's speed."""
 import json
 
@@ -30,7 +30,7 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
     assert result["threads"] == 1 and result["gamma"] >= 1
 
     runs = {(r["mode"], r["batch"]): r for r in result["runs"]}
-    assert set(runs) == {(m, b) for m in ("plain", "dspark", "oracle") for b in (1, 2)}
+    assert set(runs) == {(m, b) for m in ("plain", "dspark", "always", "oracle") for b in (1, 2)}
     for r in runs.values():
         assert r["lossless"] is True
         assert r["generated_tokens"] == 4 * r["batch"]
@@ -42,5 +42,6 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
         oracle = runs["oracle", b]
         assert oracle["accepted"] == oracle["drafted"] and oracle["dspark_steps"] > 0
         assert oracle["engine_steps"] < runs["plain", b]["engine_steps"]
-        for mode in ("dspark", "oracle"):
+        for mode in ("dspark", "always", "oracle"):
             assert result["speedup"][mode][str(b)] > 0
+        assert runs["always", b]["dspark_steps"] >= runs["dspark", b]["dspark_steps"] > 0   # adaptive drafts less

@@ -33,7 +33,8 @@ def cpu_model():
 
 
 def _engine(model, drafter=None, **kw) -> Engine:
-    config = EngineConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **kw})
+    # a full draft block at every decode step unless a test says otherwise: the machinery under test every step
+    config = EngineConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, "adaptive_drafting": False, **kw})
     return Engine(model, config) if drafter is None else Engine(model, config, drafter=drafter)
 
 

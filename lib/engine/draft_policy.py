@@ -1,0 +1,153 @@
+"""Speculation that pays or steps aside: whether the engine drafts this step, and how many drafts each request
+verifies. Every decision here only changes speed: verification keeps the target's distribution whatever is drafted,
+so greedy output is identical with any policy.
+
+- The gate (engine-wide): drafting stays on while a decode step that drafts emits tokens faster than a plain one,
+  as measured on this engine's own decode-only steps at the current batch size (seconds per emitted token: an
+  exponential average for the running mode, a probe's own measurement for the other; the model, the device and the
+  batch decide, not a constant). The mode that measured slower is tried again after a backoff that doubles each
+  time it loses again (BACKOFF .. MAX_BACKOFF steps, times how many times slower it was), so a drafter that starts
+  paying (text that turns predictable) is found again, and a plain step now and then keeps the comparison honest.
+- The length (per request): drafts are verified up to the last position whose survival (the chance that it and
+  every draft before it are accepted) is estimated at MIN_SURVIVAL or more. The estimate is the drafter's confidence
+  head (prefix products of sigmoid(c_k): DSV4-REFERENCE §5.2, trained to predict exactly this) once its predictions
+  for this request score no worse (Brier, over TRUST_ROUNDS rounds or more) than the request's own running
+  acceptance per position, else that running acceptance (Laplace-smoothed counts); both are weighted towards the
+  last ~10 rounds, as a conversation's predictability changes, and an untrained or miscalibrated head is not
+  followed. A block the estimate ends before its first draft is a plain decode row; a request whose running
+  acceptance says its first drafts do not survive stops drafting, and tries a full block again after a backoff of
+  its own.
+
+Must not know: scheduling internals, sampling, the model's numerics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+BACKOFF = 16           # steps before the losing mode (or a request that stopped drafting) is tried again
+MAX_BACKOFF = 128
+MIN_SURVIVAL = 0.15    # verify a draft position only if it is estimated to survive this often
+EMA = 0.3              # weight of the newest step in each mode's seconds per token
+TRUST_ROUNDS = 3       # verified rounds of a request before its confidence head may be followed
+RECENT = 0.9           # each round, a request's earlier counts and scores are weighted down by this: recent rounds rule
+
+
+@dataclass
+class _Acceptance:
+    """One request's record of its verified draft positions."""
+    tried: list[float]           # per position: rounds that verified it with every draft before it accepted
+    accepted: list[float]        # per position: of those, the rounds that accepted it (both weighted by RECENT)
+    rounds: int = 0
+    head_brier: float = 0.0      # summed squared error of the head's survival estimates
+    rate_brier: float = 0.0      # the same for the running-acceptance estimates
+    paused: int = 0              # steps left before a full block is tried again
+    backoff: int = BACKOFF
+
+    def survival(self) -> torch.Tensor:
+        """[gamma] running estimate that positions 1..j all survive: products of the conditional acceptance rates,
+        Laplace-smoothed (a position never tried counts as a coin flip, so a block grows past where it was cut
+        once the positions before it prove reliable)."""
+        return torch.tensor([(a + 1.0) / (t + 2.0) for t, a in zip(self.tried, self.accepted)]).cumprod(0)
+
+
+@dataclass
+class DraftPolicy:
+    gamma: int
+    adaptive: bool = True
+    requests: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)     # "draft" / "plain" -> EMA seconds per emitted token
+    drafting: bool = True                            # the gate's current choice
+    probe_in: int = 0                                # steps until the other mode is measured again
+    backoff: int = BACKOFF
+    bucket: int = 0                                  # the batch size range the measurements are of (bit length)
+
+    # ---- the gate ------------------------------------------------------------------------------
+    def draft_this_step(self) -> bool:
+        """Whether decode requests may draft in the next step: the winning mode, or a probe of the other one
+        (each mode is measured once before the first choice)."""
+        if not self.adaptive:
+            return True
+        mine, other = ("draft", "plain") if self.drafting else ("plain", "draft")
+        if mine not in self.seconds:
+            return self.drafting
+        return not self.drafting if other not in self.seconds or self.probe_in <= 0 else self.drafting
+
+    def step_done(self, drafted: bool, seconds: float, tokens: int, requests: int) -> None:
+        """Report a decode-only step: whether any request verified drafts in it, its wall time, the tokens it
+        emitted and the requests it decoded. Both modes are compared at one batch size (within a factor of two):
+        when the batch leaves that range, both are measured afresh."""
+        if not self.adaptive or tokens <= 0:
+            return
+        if requests.bit_length() != self.bucket:
+            self.bucket, self.seconds, self.probe_in = requests.bit_length(), {}, 0
+        mode, per = ("draft" if drafted else "plain"), seconds / tokens
+        if drafted == self.drafting:             # the running mode: an average over its steps
+            self.seconds[mode] = per if mode not in self.seconds else (1 - EMA) * self.seconds[mode] + EMA * per
+            self.probe_in -= 1
+            return
+        self.seconds[mode] = per                 # a probe: things may have changed since the last one
+        if self.seconds.keys() < {"draft", "plain"}:
+            return
+        draft, plain = self.seconds["draft"], self.seconds["plain"]       # a probe of the other mode: choose again
+        better = draft < plain
+        self.backoff = min(2 * self.backoff, MAX_BACKOFF) if better == self.drafting else BACKOFF
+        # a mode that lost by a factor r waits r times as long: a probe costs about r plain steps
+        lost_by = max(draft, plain) / min(draft, plain)
+        self.drafting, self.probe_in = better, min(MAX_BACKOFF, round(self.backoff * lost_by))
+
+    # ---- the length ----------------------------------------------------------------------------
+    def planned(self, request_id: str) -> int:
+        """Drafts to propose for a request this step (before its block exists): gamma, or 0 while it is paused."""
+        if not self.adaptive:
+            return self.gamma
+        rec = self.requests.get(request_id)
+        if rec is None or rec.paused <= 0:
+            return self.gamma
+        rec.paused -= 1
+        return 0
+
+    def length(self, request_id: str, confidence: torch.Tensor, planned: int) -> int:
+        """How many of the `planned` drafts to verify, given the block's confidence logits [gamma]."""
+        if not self.adaptive or planned == 0:
+            return planned
+        rec = self._record(request_id)
+        if not bool(rec.survival()[0] >= MIN_SURVIVAL):  # its drafts do not survive: plain rows for a while
+            rec.paused, rec.backoff = rec.backoff, min(2 * rec.backoff, MAX_BACKOFF)
+            return 0
+        estimate = self._estimate(rec, confidence)[:planned]
+        return int((estimate >= MIN_SURVIVAL).sum())     # survival only falls along the block; 0: a plain row
+
+    def verified(self, request_id: str, confidence: torch.Tensor, drafts: int, accepted: int) -> None:
+        """Record a verified round: `drafts` positions verified, the first `accepted` of them accepted."""
+        if not self.adaptive or drafts == 0:
+            return
+        rec = self._record(request_id)
+        head = torch.sigmoid(confidence.float()[:drafts]).cumprod(0)
+        rate = rec.survival()[:drafts]
+        outcome = (torch.arange(drafts) < accepted).float()
+        rec.head_brier = RECENT * rec.head_brier + float(((head - outcome) ** 2).sum())
+        rec.rate_brier = RECENT * rec.rate_brier + float(((rate - outcome) ** 2).sum())
+        rec.rounds += 1
+        rec.tried = [RECENT * t for t in rec.tried]
+        rec.accepted = [RECENT * a for a in rec.accepted]
+        for k in range(min(accepted + 1, drafts)):     # the accepted prefix and the first rejected position
+            rec.tried[k] += 1
+            rec.accepted[k] += float(k < accepted)
+        if accepted:
+            rec.backoff = BACKOFF
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def _record(self, request_id: str) -> _Acceptance:
+        if request_id not in self.requests:
+            self.requests[request_id] = _Acceptance([0.0] * self.gamma, [0.0] * self.gamma)
+        return self.requests[request_id]
+
+    @staticmethod
+    def _estimate(rec: _Acceptance, confidence: torch.Tensor) -> torch.Tensor:
+        if rec.rounds >= TRUST_ROUNDS and rec.head_brier <= rec.rate_brier:
+            return torch.sigmoid(confidence.float()).cumprod(0)
+        return rec.survival()
