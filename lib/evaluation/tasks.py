@@ -1,0 +1,168 @@
+"""The task mix: chat questions whose answers can be checked exactly, for training a tiny model and judging it.
+
+Each task draws examples from a seeded generator, split into "train" and "heldout" so that no held-out question is
+ever a training one: operands, strings and tool arguments are assigned to a split by a hash of the question's own
+values; the fact table (lib/evaluation/names.py) is fixed and held out by phrasing; retrieval draws fresh keys and
+values from each split's own stream. Every example is a list of OpenAI-style messages (plus tools) and the assistant
+message that answers it, so it is written in the V4 chat encoding by the same encoder the server uses.
+
+- arithmetic: "What is 17+25?" -> "42" (sums and differences of numbers below 100, products below 13 x 13)
+- counting:   how often a letter occurs in a made-up string -> "3"
+- copying:    "Repeat exactly: ..." -> the same words
+- facts:      the capital, language or national animal of a made-up country -> its value in the table
+- retrieval:  a list of name -> code records, the asked one first and at least `gap_tokens` tokens before the
+              question (so that a model whose window is shorter reaches it only through compressed attention)
+- tool_call:  asked with a `tools` list, the reply is the DSML call of the right function with the right arguments
+
+Must not know models, engines or tokenizers (retrieval takes a token counter).
+"""
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from typing import Callable, NamedTuple
+
+from lib.evaluation.names import distinct_words, fact_table, made_up_word
+
+TASKS = ("arithmetic", "counting", "copying", "facts", "retrieval", "tool_call")
+SPLITS = ("train", "heldout")
+HELDOUT_SHARE = 8          # one value-hashed question in this many belongs to the held-out split
+
+
+class Example(NamedTuple):
+    task: str
+    messages: tuple[dict, ...]       # the conversation up to the turn to generate
+    tools: tuple[dict, ...] | None   # OpenAI tool schemas the request carries
+    reply: dict                      # the assistant message that answers it (content, or tool_calls)
+
+
+def _in_split(split: str, *values) -> bool:
+    held = zlib.crc32(repr(values).encode()) % HELDOUT_SHARE == 0
+    return held == (split == "heldout")
+
+
+def _user(text: str) -> tuple[dict, ...]:
+    return ({"role": "user", "content": text},)
+
+
+def _answer(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+ARITHMETIC = ("What is {a}{op}{b}?", "Compute {a} {op} {b}.", "{a}{op}{b}=?", "Calculate {a}{op}{b}, please.")
+
+
+def arithmetic(rng: random.Random, split: str) -> Example:
+    while True:
+        op = rng.choice("+-*")
+        hi = 13 if op == "*" else 100
+        a, b = rng.randrange(hi), rng.randrange(hi)
+        if _in_split(split, a, op, b):
+            value = {"+": a + b, "-": a - b, "*": a * b}[op]
+            return Example("arithmetic", _user(rng.choice(ARITHMETIC).format(a=a, op=op, b=b)), None, _answer(str(value)))
+
+
+def counting(rng: random.Random, split: str) -> Example:
+    while True:
+        letters = rng.sample("abcdeklmnoprst", 4)
+        text = "".join(rng.choice(letters) for _ in range(rng.randint(5, 12)))
+        letter = rng.choice(letters)
+        if _in_split(split, text, letter):
+            question = f"How many times does the letter {letter} appear in {text}?"
+            return Example("counting", _user(question), None, _answer(str(text.count(letter))))
+
+
+def copying(rng: random.Random, split: str) -> Example:
+    while True:
+        words = " ".join(made_up_word(rng, (1, 2)) for _ in range(rng.randint(2, 4)))
+        if _in_split(split, words):
+            return Example("copying", _user(f"Repeat exactly: {words}"), None, _answer(words))
+
+
+# per relation: training phrasings, then the held-out one
+FACT_QUESTIONS = {
+    "capital": ("What is the capital of {x}?", "Name the capital of {x}.", "Tell me the capital city of {x}.",
+                "Which city is the capital of {x}?"),
+    "language": ("What language is spoken in {x}?", "Name the language of {x}.", "Which language do people in {x} speak?",
+                 "What is the main language of {x}?"),
+    "animal": ("What is the national animal of {x}?", "Name the national animal of {x}.",
+               "Which animal is the symbol of {x}?", "What animal represents {x}?"),
+}
+
+
+def facts(rng: random.Random, split: str) -> Example:
+    fact = rng.choice(fact_table())
+    phrasings = FACT_QUESTIONS[fact.relation]
+    question = (phrasings[-1] if split == "heldout" else rng.choice(phrasings[:-1])).format(x=fact.place)
+    return Example("facts", _user(question), None, _answer(fact.value))
+
+
+def retrieval(rng: random.Random, split: str, *, gap_tokens: int, count_tokens: Callable[[str], int]) -> Example:
+    """Records "Name: code" (codes of four digits), the asked record first among them, then at least
+    `gap_tokens` tokens of other records before the question."""
+    names = distinct_words(rng, 1 + rng.randint(2, 4))
+    records = [f"{n}: {rng.randrange(1000, 10000)}" for n in names]
+    asked, answer = names[0], records[0].split(": ")[1]
+    head = "Remember these codes.\n"
+    taken = set(names)
+    while count_tokens("\n".join(records[1:]) + "\n") < gap_tokens:
+        n = distinct_words(rng, 1, taken)[0]
+        records.append(f"{n}: {rng.randrange(1000, 10000)}")
+    body = head + "\n".join(records) + f"\nWhat is the code of {asked}?"
+    return Example("retrieval", _user(body), None, _answer(answer))
+
+
+TOOLS = (
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "set_alarm", "description": "Set an alarm clock.",
+        "parameters": {"type": "object", "properties": {
+            "hour": {"type": "integer"}, "minute": {"type": "integer"}}, "required": ["hour", "minute"]}}},
+    {"type": "function", "function": {
+        "name": "send_message", "description": "Send a short text message to a contact.",
+        "parameters": {"type": "object", "properties": {
+            "to": {"type": "string"}, "text": {"type": "string"}}, "required": ["to", "text"]}}},
+)
+
+
+def _tool_question(rng: random.Random) -> tuple[str, str, dict]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        city, unit = made_up_word(rng).capitalize(), rng.choice(("celsius", "fahrenheit"))
+        return f"What is the weather in {city} in {unit}?", "get_weather", {"city": city, "unit": unit}
+    if kind == 1:
+        hour, minute = rng.randrange(24), rng.randrange(60)
+        return f"Wake me up at {hour}:{minute:02d}.", "set_alarm", {"hour": hour, "minute": minute}
+    to, text = made_up_word(rng).capitalize(), " ".join(made_up_word(rng, (1, 2)) for _ in range(2))
+    return f"Tell {to}: {text}", "send_message", {"to": to, "text": text}
+
+
+def tool_call(rng: random.Random, split: str) -> Example:
+    while True:
+        question, name, arguments = _tool_question(rng)
+        if _in_split(split, name, sorted(arguments.items())):
+            call = {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            return Example("tool_call", _user(question), TOOLS, {"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def examples(task: str, split: str, n: int, seed: int = 0, *, gap_tokens: int = 0,
+             count_tokens: Callable[[str], int] | None = None) -> list[Example]:
+    """`n` examples of `task` from `split`, the same for the same seed on every machine."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; the tasks are {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; the splits are {', '.join(SPLITS)}")
+    rng = random.Random(f"{task}:{split}:{seed}")
+    if task == "retrieval":
+        if count_tokens is None:
+            raise ValueError("the retrieval task needs count_tokens (the tokenizer that measures its gap)")
+        return [retrieval(rng, split, gap_tokens=gap_tokens, count_tokens=count_tokens) for _ in range(n)]
+    make = {"arithmetic": arithmetic, "counting": counting, "copying": copying, "facts": facts,
+            "tool_call": tool_call}[task]
+    return [make(rng, split) for _ in range(n)]
+

@@ -1,0 +1,100 @@
+"""The task mix (lib/evaluation): what each task asks and answers, that held-out questions are never training ones,
+that the retrieval gap is real in tokens, and that exact-match scoring accepts the answer and only the answer."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lib.evaluation.names import PLACES, fact_table
+from lib.evaluation.scoring import is_correct
+from lib.evaluation.suite import prompt_text, reply_text
+from lib.evaluation.tasks import TASKS, examples
+from lib.text.tokenizer import EOS, Tokenizer, build_tiny_tokenizer
+
+TOK = Tokenizer(build_tiny_tokenizer(1024))
+
+
+def _count(text: str) -> int:
+    return len(TOK.encode(text))
+
+
+def _mix(task: str, split: str, n: int, seed: int = 0):
+    return examples(task, split, n, seed, gap_tokens=128, count_tokens=_count)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_example_is_answered_by_its_own_reply_and_the_encoding_extends_the_prompt(task):
+    for split in ("train", "heldout"):
+        for ex in _mix(task, split, 20):
+            reply = reply_text(ex)
+            assert reply.endswith(EOS) and prompt_text(ex).endswith("</think>")
+            assert is_correct(ex, reply[: -len(EOS)])
+
+
+def test_the_answers_are_the_questions_answers():
+    for e in examples("arithmetic", "heldout", 50):
+        a, op, b = re.search(r"(\d+) ?([-+*]) ?(\d+)", e.messages[0]["content"]).groups()
+        assert int(e.reply["content"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    for e in examples("counting", "train", 50):
+        letter, text = re.search(r"letter (\w) appear in (\w+)\?", e.messages[0]["content"]).groups()
+        assert int(e.reply["content"]) == text.count(letter)
+    table = {(f.place, f.relation): f.value for f in fact_table()}
+    assert len(table) == 3 * PLACES and len({f.place for f in fact_table()}) == PLACES
+    for e in examples("facts", "heldout", 30):
+        place = e.messages[0]["content"].rstrip("?.").split()[-1]
+        assert e.reply["content"] in {v for (p, _), v in table.items() if p == place}
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "counting", "copying", "facts", "tool_call"])
+def test_no_held_out_question_is_a_training_question(task):
+    def key(e):
+        return (e.messages[0]["content"], json.dumps(e.reply, sort_keys=True))
+    train = {key(e) for e in _mix(task, "train", 2000)}
+    held = [key(e) for e in _mix(task, "heldout", 300)]
+    assert not train & set(held)
+    assert len(set(held)) > 30                       # and the held-out split is not a handful of questions
+
+
+def test_the_same_seed_gives_the_same_questions_and_another_seed_others():
+    for task in TASKS:
+        assert _mix(task, "heldout", 5, seed=3) == _mix(task, "heldout", 5, seed=3)
+        assert _mix(task, "heldout", 5, seed=3) != _mix(task, "heldout", 5, seed=4)
+
+
+def test_the_retrieved_record_sits_at_least_the_gap_before_the_question():
+    for gap in (16, 128, 400):
+        for ex in examples("retrieval", "heldout", 10, gap_tokens=gap, count_tokens=_count):
+            text = prompt_text(ex)
+            name = ex.messages[0]["content"].rsplit(" ", 1)[1].rstrip("?")
+            record = f"{name}: {ex.reply['content']}"
+            assert text.count(record) == 1 and text.count(name) == 2        # asked once, stated once
+            after = text[text.index(record) + len(record): text.rindex("What is the code")]
+            assert _count(after) >= gap
+
+
+def test_scoring_refuses_near_misses():
+    ex = examples("arithmetic", "heldout", 1)[0]
+    value = ex.reply["content"]
+    assert is_correct(ex, f" {value}\n") and not is_correct(ex, str(int(value) + 1)) and not is_correct(ex, f"{value}.")
+    call = examples("tool_call", "heldout", 1)[0]
+    good = reply_text(call)[: -len(EOS)]
+    args = json.loads(call.reply["tool_calls"][0]["function"]["arguments"])
+    name = call.reply["tool_calls"][0]["function"]["name"]
+    first_key = next(iter(args))
+    wrong_value = good.replace(f">{args[first_key]}<", f">{args[first_key]}x<", 1)
+    assert wrong_value != good and not is_correct(call, wrong_value)
+    assert not is_correct(call, good.replace(f'"{name}"', '"other_tool"'))
+    assert not is_correct(call, good + good[2:])                          # two calls
+    assert not is_correct(call, good[:-20])                               # a truncated block
+    assert not is_correct(call, json.dumps(args))                         # the arguments as plain text
+
+
+def test_unknown_tasks_and_splits_are_named():
+    with pytest.raises(ValueError, match="unknown task 'math'"):
+        examples("math", "train", 1)
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        examples("facts", "test", 1)
+    with pytest.raises(ValueError, match="count_tokens"):
+        examples("retrieval", "train", 1)
