@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LINT = Path(sys.executable).parent / "lint-imports"
 PACKAGES = ("spec", "codegen", "backends", "lib", "serve")  # the importable source packages (root_packages)
 MAX_LINES = 400
-LAYERS = "layers: spec -> records / weights -> backends -> runtime -> engine -> evaluation -> tools -> serve -> bench -> cli"
+LAYERS = "layers: spec -> records / weights -> backends -> runtime -> engine -> evaluation -> tools and training -> serve -> bench -> cli"
 FORBIDDEN = "the generated code and the backends never reach the engine, the server or the tools"
 
 

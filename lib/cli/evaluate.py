@@ -2,7 +2,8 @@
 
 The suite is lib/evaluation: arithmetic, counting, copying, the made-up fact table, long-range retrieval (the asked
 record --gap-windows sliding windows before the question) and tool calls. Every run is greedy, so the DSpark run must
-reply exactly as the plain one; the JSON says whether it did, and DSpark's acceptance per draft position.
+reply exactly as the plain one; the JSON says whether it did, and DSpark's acceptance per draft position (the DSpark
+run drafts a full block every step, so that every position is measured).
 """
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def _run(args, model_path, load_options) -> int:
     exs = suite.heldout(tasks, args.per_task, args.seed, gap_tokens=gap, count_tokens=lambda s: len(tok.encode(s)))
     runs = {}
     for name in wanted:
+        # a full block every step: every draft position's acceptance is measured (adaptive drafting would cut blocks)
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              speculative="dspark" if name == "dspark" else "none")
+                              speculative="dspark" if name == "dspark" else "none", adaptive_drafting=False)
         engine = Engine(model, config, tokenizer=tok)
         with stages(f"{len(exs)} held-out questions, {name}"), \
                 tqdm(total=len(exs), desc=f"eval {name}", unit="question", file=sys.stderr) as bar:

@@ -231,6 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     from lib.cli.evaluate import add_parser as add_eval
     add_eval(sub, backend_names(), _model_path, _load_options)
 
+    from lib.cli.train import add_parser as add_train
+    add_train(sub)
+
     s = sub.add_parser("diff", help="review two backends' lowerings, or what a spec edit changes in one")
     s.add_argument("--backend", choices=backend_names())
     s.add_argument("--against", help="the other backend, or the NEW spec folder with --spec")

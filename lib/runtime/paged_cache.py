@@ -229,13 +229,8 @@ class PagedCache:
         """A draft batch's addresses: slots and committed lengths only (the drafter reads its
         rings; nothing of the target's state)."""
         seqs = [self._seq(s) for s in seq_ids]
-        lo = [sum(batch.seq_lens[:i]) for i in range(len(seqs))]
-        starts = [seq.length for seq in seqs]
-        state = Addressing(_rows_of(batch.seq_lens), torch.tensor([seq.slot for seq in seqs]),
-                           torch.tensor(starts, dtype=torch.int64),
-                           torch.tensor([s + n for s, n in zip(starts, batch.seq_lens)], dtype=torch.int64),
-                           torch.tensor(lo, dtype=torch.int64),
-                           (), {}, {}, self.max_seqs, self.block_tokens, self.logical_block_tokens, self.sites)
+        state = ring_addressing(batch.seq_lens, [seq.slot for seq in seqs], [seq.length for seq in seqs],
+                                self.max_seqs, self.block_tokens, self.logical_block_tokens, self.sites)
         return batch._replace(state=state if self.device is None else state.to(self.device))
 
     def write_ring(self, seq_id, start: int, rows: list[torch.Tensor]) -> None:
@@ -317,6 +312,16 @@ def _padded(batch: Batch, shape: StepShape) -> Batch:
     if rows is not None:
         rows = torch.cat((rows, real + shape.tokens * torch.arange(1, pad + 1, dtype=rows.dtype) - 1))
     return batch._replace(tokens=tokens, positions=positions, seq_lens=lens, starts=starts, logit_rows=rows)
+
+
+def ring_addressing(seq_lens, slots: list[int], starts: list[int], max_seqs: int, block_tokens: int,
+                    logical_block_tokens: int, sites: PagedSites = PagedSites()) -> Addressing:
+    """The addresses of a draft batch: each sequence's ring slot and committed length, nothing of the target's
+    state (PagedCache.ring_address; the drafter's training builds its rings itself)."""
+    lo = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+    return Addressing(_rows_of(seq_lens), torch.tensor(slots, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
+                      torch.tensor([s + n for s, n in zip(starts, seq_lens)], dtype=torch.int64),
+                      torch.tensor(lo, dtype=torch.int64), (), {}, {}, max_seqs, block_tokens, logical_block_tokens, sites)
 
 
 def _rows_of(seq_lens) -> torch.Tensor:

@@ -92,10 +92,12 @@ def tiny_tensors(cfg: ModelConfig, seed: int, progress: bool = False) -> dict[st
     return out
 
 
-def side_files(cfg: ModelConfig) -> dict[str, str]:
+def side_files(cfg: ModelConfig, tokenizer=None) -> dict[str, str]:
+    """config.json, generation_config.json and the tokenizer files (`tokenizer`: a tokenizers backend; default
+    the tiny tokenizer of cfg.vocab_size ids)."""
     from lib.text.tokenizer import build_tiny_tokenizer, tokenizer_files
 
-    tok = build_tiny_tokenizer(cfg.vocab_size)
+    tok = tokenizer or build_tiny_tokenizer(cfg.vocab_size)
     files = {"config.json": json.dumps(cfg.to_json_dict(), indent=2) + "\n",
              "generation_config.json": json.dumps({"bos_token_id": cfg.bos_token_id,
                                                    "eos_token_id": cfg.eos_token_id, "do_sample": True,

@@ -1,0 +1,79 @@
+"""What `dsv4gen train-tiny` trains on: the training split of the task mix (lib/evaluation/tasks.py) in the V4 chat
+encoding, its tokenizer, and batches of whole conversations.
+
+The tokenizer is the tiny byte-level BPE (lib/text/tokenizer.py) with its merges learnt from the task mix's own text
+(the chat template and tools block included) and one token per digit, so prompts are short and arithmetic is
+learnt digit by digit. A training sequence is one conversation; the loss is taken on the assistant's reply (its
+end-of-sentence included), the only tokens a user ever sees generated. Retrieval gaps are drawn from one window up to
+past the held-out gap, so that the model learns to look back any distance rather than one fixed one.
+Must not know the model, the optimiser or the checkpoint format.
+"""
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+from lib.evaluation import tasks
+from lib.evaluation.suite import prompt_text, reply_text
+from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tiny_tokenizer
+
+# share of each task in the training stream (tool calls and retrieval are long; arithmetic needs the most examples)
+MIX = {"arithmetic": 0.3, "counting": 0.1, "copying": 0.1, "facts": 0.2, "retrieval": 0.2, "tool_call": 0.1}
+CORPUS_EXAMPLES = 60        # per task: the text the tokenizer's merges are learnt from
+MAX_GAP_WINDOWS = 10        # retrieval gaps are drawn from 1 to this many sliding windows
+
+
+class Sequence(NamedTuple):
+    task: str
+    ids: list[int]          # prompt then reply tokens
+    reply_start: int        # index of the first reply token (the loss covers ids[reply_start:])
+
+
+def task_tokenizer(vocab_size: int) -> Tokenizer:
+    """The trained preset's tokenizer: merges from the task mix's text (special tokens left out)."""
+    rng_seed = 0
+    parts = [TINY_CORPUS]
+    for task in tasks.TASKS:
+        for ex in tasks.examples(task, "train", CORPUS_EXAMPLES, rng_seed, gap_tokens=40,
+                                 count_tokens=lambda s: len(s) // 3):
+            parts.append(prompt_text(ex) + reply_text(ex))
+    text = "\n".join(parts)
+    for special in SPECIAL_TOKENS:
+        text = text.replace(special, "\n")
+    return Tokenizer(build_tiny_tokenizer(vocab_size, text, single_digits=True))
+
+
+class TrainingStream:
+    """An endless, seeded stream of training conversations, tokenized."""
+
+    def __init__(self, tokenizer: Tokenizer, window: int, seed: int, mix: dict[str, float] = MIX):
+        unknown = set(mix) - set(tasks.TASKS)
+        if unknown:
+            raise ValueError(f"unknown task(s) in the training mix: {sorted(unknown)}")
+        self.tokenizer, self.window, self.mix = tokenizer, window, mix
+        self.rng = random.Random(f"train-tiny:{seed}")
+        self._pending: Sequence | None = None     # drawn, but did not fit the last batch
+
+    def _example(self, task: str) -> tasks.Example:
+        seed = self.rng.randrange(1 << 30)
+        gap = self.rng.randint(1, MAX_GAP_WINDOWS) * self.window
+        return tasks.examples(task, "train", 1, seed, gap_tokens=gap,
+                              count_tokens=lambda s: len(self.tokenizer.encode(s)))[0]
+
+    def next(self) -> Sequence:
+        task = self.rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        ex = self._example(task)
+        prompt = self.tokenizer.encode(prompt_text(ex))
+        reply = self.tokenizer.encode(reply_text(ex))
+        return Sequence(task, prompt + reply, len(prompt))
+
+    def batch(self, tokens: int) -> list[Sequence]:
+        """Whole conversations until adding the next would pass `tokens` (at least one)."""
+        out, total = [], 0
+        while True:
+            seq, self._pending = self._pending or self.next(), None
+            if out and total + len(seq.ids) > tokens:
+                self._pending = seq
+                return out
+            out.append(seq)
+            total += len(seq.ids)

@@ -1,0 +1,82 @@
+"""The lightning indexer trained the way DeepSeek's sparse attention trains it: distilled from the attention it
+serves.
+
+The indexer's top-k passes no gradient, so its weights learn only from this loss: for every CSA query, the KL
+divergence from the main attention's distribution over all the compressed entries it could see (each head's
+softmax of q . entry / sqrt(D), summed over heads and renormalised: where the heads would look if nothing were left
+out) to the softmax of the indexer's scores over the same entries. The target is detached; the main attention
+itself still runs on the indexer's current top-k, as it will at inference, so the two meet as the indexer learns
+(DeepSeek-V3.2 trains a dense warm-up first; a tiny model's few entries make that stage unnecessary).
+
+Installed for one forward by `distilling()`, which wraps the reference backend's `index_select` (to score every
+visible entry with the gradient kept) and `sparse_attention` (to take the target from the same q and entries the
+attention reads). Must not know the optimiser or the task mix.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import backends.cpu.ops.attention as reference_attention
+from backends.cpu.ops import indexer as reference_indexer
+
+
+class Distillation:
+    """The KL terms of one forward's CSA layers."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, int]] = []     # (indexer scores [T, E], ratio) awaiting their attention
+        self.terms: list[torch.Tensor] = []
+
+    def loss(self) -> torch.Tensor | None:
+        return torch.stack(self.terms).mean() if self.terms else None
+
+    def target(self, q: torch.Tensor, batch, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+        """[T, E] the main attention's distribution over the visible entries (no gradient)."""
+        addr = batch.state
+        ids = torch.arange(addr.max_entries[ratio], dtype=torch.int64)
+        block = reference_attention._entries(addr, entries, ratio, ids, slice(None)).detach().double()
+        spec = "thd,ed->the" if block.dim() == 2 else "thd,ted->the"
+        logits = torch.einsum(spec, q.detach().double(), block) * q.shape[-1] ** -0.5              # [T, H, E]
+        visible = ids[None, :] < ((batch.positions + 1) // ratio)[:, None]                          # [T, E]
+        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+        p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)                              # [T, E]
+        return p / p.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+
+    def add(self, scores: torch.Tensor, target: torch.Tensor) -> None:
+        rows = torch.isfinite(scores).any(dim=-1)               # queries that see at least one entry
+        if not bool(rows.any()):
+            return
+        log_q = torch.log_softmax(scores[rows], dim=-1)
+        p = target[rows]
+        kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(dim=-1)
+        self.terms.append(kl.mean())
+
+
+@contextlib.contextmanager
+def distilling():
+    """Collect the indexer's distillation loss of the reference forwards run inside."""
+    record = Distillation()
+    select, attend = reference_attention.index_select, reference_attention.sparse_attention
+
+    def index_select(q, weights, batch, keys, *, topk, ratio, weight_scale, group=None):
+        chosen = select(q.detach(), weights.detach(), batch, keys.detach(), topk=topk, ratio=ratio,
+                        weight_scale=weight_scale, group=group)
+        scores = reference_indexer.all_scores(q, weights, batch, keys, ratio=ratio, weight_scale=weight_scale)
+        record.pending.append((scores, ratio))
+        return chosen
+
+    def sparse_attention(q, kv, batch, windows, entries, selection, sink, *, window, ratio):
+        if selection is not None and record.pending:
+            scores, scored_ratio = record.pending.pop()
+            if scored_ratio != ratio:
+                raise AssertionError(f"indexer scores of ratio {scored_ratio} met an attention of ratio {ratio}")
+            record.add(scores, record.target(q, batch, entries, ratio))
+        return attend(q, kv, batch, windows, entries, selection, sink, window=window, ratio=ratio)
+
+    reference_attention.index_select, reference_attention.sparse_attention = index_select, sparse_attention
+    try:
+        yield record
+    finally:
+        reference_attention.index_select, reference_attention.sparse_attention = select, attend

@@ -1,0 +1,134 @@
+"""`dsv4gen train-tiny`: from a seed to a trained tiny DeepSeek-V4 checkpoint in the official format, with the record
+of how it was made and how it scores.
+
+1. initial weights: `make-tiny`'s initialisation of the `tiny` preset with this seed (every layer kind of Flash), the
+   learned routers' selection biases set to zero (they then follow the experts' loads: routing.py);
+2. the target trained on the task mix's training split (corpus.py, target.py), its indexer distilled from the
+   attention it serves (indexer.py), then the DSpark drafter on the frozen target (drafter.py);
+3. the checkpoint written (export.py) with the task mix's tokenizer, then loaded back as any checkpoint is and scored
+   on the held-out split through the engine (lib/evaluation/suite.py); `training.json` beside the weights records
+   the seed, steps, time, losses and that accuracy.
+"""
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from lib.runtime.loaded_model import load_model
+from lib.training.corpus import TrainingStream, task_tokenizer
+from lib.training.drafter import DrafterTrainer
+from lib.training.export import write_trained
+from lib.training.target import Schedule, TargetTrainer
+from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT, make_tiny
+from spec.variants import variant_config
+
+RECORD = "training.json"
+
+
+class TrainConfig(NamedTuple):
+    seed: int = 0
+    steps: int = 2000
+    drafter_steps: int = 300        # DSpark drafter steps on the finished target
+    tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
+    lr: float = 2e-3
+    eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
+    preset: str = "tiny"
+
+
+def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool = False, log=print) -> dict:
+    """Train, write `out`, score it; returns the record also written to out/training.json."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
+    if config.steps < 1 or config.tokens_per_step < 64:
+        raise ValueError(f"--steps must be >= 1 and --tokens-per-step >= 64, got {config.steps} and {config.tokens_per_step}")
+    started = time.monotonic()
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    cfg = variant_config(TINY_VARIANT, PRESETS[config.preset])
+    tokenizer = task_tokenizer(cfg.vocab_size)
+    with tempfile.TemporaryDirectory(prefix="train-tiny-init-") as tmp:
+        model = load_model(make_tiny(Path(tmp) / "init", seed=config.seed, preset=config.preset), "cpu")
+    for block in model.params.layers:
+        if "ffn.gate.bias" in block:
+            block["ffn.gate.bias"].zero_()
+    trainer = TargetTrainer(model, Schedule(config.steps, lr=config.lr, warmup=max(1, min(50, config.steps // 10))))
+    stream = TrainingStream(tokenizer, cfg.sliding_window, config.seed)
+    losses, kls, tokens = [], [], 0
+    with tqdm(total=config.steps, desc="training the target", unit="step") as bar:
+        for _ in range(config.steps):
+            batch = stream.batch(config.tokens_per_step)
+            ce, kl = trainer.step(batch)
+            losses.append(ce)
+            kls.append(kl)
+            tokens += sum(len(s.ids) for s in batch)
+            bar.update(1)
+            bar.set_postfix(loss=f"{_mean(losses[-20:]):.3f}", indexer_kl=f"{_mean(kls[-20:]):.3f}")
+    trainer.finish()
+    drafted = _train_drafter(model, stream, config) if config.drafter_steps else {}
+    trained_s = time.monotonic() - started
+    path = write_trained(out, model.params, cfg, tokenizer, overwrite=overwrite)
+    record = {"command": f"dsv4gen train-tiny --out {out} --seed {config.seed} --steps {config.steps} "
+                         f"--drafter-steps {config.drafter_steps} "
+                         f"--tokens-per-step {config.tokens_per_step} --lr {config.lr}",
+              "config": config._asdict(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "training_seconds": round(trained_s, 1), "tokens": tokens,
+              "loss_first_20": _mean(losses[:20]), "loss_last_20": _mean(losses[-20:]),
+              "indexer_kl_first_20": _mean(kls[:20]), "indexer_kl_last_20": _mean(kls[-20:]), **drafted}
+    if config.eval_per_task:
+        record["heldout"] = _score(path, config.eval_per_task, log)
+    record["total_seconds"] = round(time.monotonic() - started, 1)
+    (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _train_drafter(model, stream: TrainingStream, config: TrainConfig) -> dict:
+    """DSpark's objective on the frozen target (drafter.py); the record's drafter fields."""
+    trainer = DrafterTrainer(model, config.drafter_steps, lr=config.lr, warmup=max(1, min(20, config.drafter_steps // 10)))
+    losses, accepted = [], []
+    with tqdm(total=config.drafter_steps, desc="training the DSpark drafter", unit="step") as bar:
+        for _ in range(config.drafter_steps):
+            loss, acc = trainer.step(stream.batch(config.tokens_per_step))
+            losses.append(loss)
+            accepted.append(acc)
+            bar.update(1)
+            bar.set_postfix(loss=f"{_mean(losses[-20:]):.3f}", accepted=f"{_mean(accepted[-20:]):.2f}")
+    trainer.finish()
+    return {"drafter_loss_first_20": _mean(losses[:20]), "drafter_loss_last_20": _mean(losses[-20:]),
+            "drafter_accepted_first_20": _mean(accepted[:20]), "drafter_accepted_last_20": _mean(accepted[-20:])}
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else float("nan")
+
+
+def _score(path: Path, per_task: int, log) -> dict:
+    """Held-out exact match of the written checkpoint, loaded back as users load it (plain decoding), and DSpark's
+    acceptance on the same questions (a full block every step, so every position is measured)."""
+    from lib.engine.llm_engine import Engine, EngineConfig
+    from lib.evaluation import suite
+    from lib.evaluation.tasks import TASKS
+    from lib.text.tokenizer import Tokenizer
+
+    model, tok = load_model(path, "cpu"), Tokenizer.from_dir(path)
+    exs = suite.heldout(TASKS, per_task, 0, gap_tokens=8 * model.cfg.sliding_window,
+                        count_tokens=lambda s: len(tok.encode(s)))
+    runs = {}
+    for name in ("plain", "dspark"):
+        engine = Engine(model, EngineConfig(max_num_seqs=16, speculative="none" if name == "plain" else "dspark",
+                                            adaptive_drafting=False), tokenizer=tok)
+        with tqdm(total=len(exs), desc=f"scoring held-out questions ({name})", unit="question") as bar:
+            runs[name] = suite.run(engine, tok, exs, progress=bar)
+    accuracy = {task: round(a["accuracy"], 4) for task, a in runs["plain"].accuracy().items()}
+    log("held-out exact match: " + ", ".join(f"{t} {a:.0%}" for t, a in accuracy.items()))
+    spec = runs["dspark"].speculation() or {}
+    same = [o.reply for o in runs["plain"].outcomes] == [o.reply for o in runs["dspark"].outcomes]
+    return {"accuracy": accuracy, "dspark_mean_accepted_per_round": round(spec.get("mean_accepted_per_round", 0.0), 3),
+            "dspark_replies_identical": same}

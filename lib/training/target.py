@@ -1,0 +1,118 @@
+"""Training the target model through the reference forward itself.
+
+The `cpu` backend's generated forward holds every weight as a float64 tensor and is built of differentiable torch
+ops, so the trainer makes those tensors leaves that require grad and steps them with AdamW: the model trained is, op
+for op, the model every backend is checked against, and its weights go back into the official format by the same
+codecs the loader reads (export.py). Each batch is a set of whole conversations prefilled together in a fresh paged
+cache, as the runtime prefills a batch of prompts; logits are computed only for the rows whose next token is part of
+a reply.
+
+Selections are not differentiable: the indexer's top-k passes no gradient to the indexer, which learns from its
+own distillation loss instead (indexer.py, weighted INDEXER_WEIGHT in the total), and the routers' bias-adjusted
+top-k passes none to the selection biases, which follow the experts' loads instead (routing.py). The learned
+routers' scores (the weights that scale each chosen expert) are trained like every other weight.
+Must not know the task mix or the checkpoint format.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from lib.records.batch import make_batch
+from lib.runtime.paged_cache import PagedCache
+from lib.training.corpus import Sequence
+from lib.training.indexer import distilling
+from lib.training.routing import balancing
+
+INDEXER_WEIGHT = 0.1     # the indexer's KL beside the reply cross-entropy (it reaches the shared q path too)
+
+
+class Schedule(NamedTuple):
+    steps: int
+    lr: float = 2e-3
+    warmup: int = 50
+    final: float = 0.1          # the learning rate ends at this share of its peak (cosine decay)
+    weight_decay: float = 0.01
+    clip: float = 1.0
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        done = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.final + (1 - self.final) * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def trainable(model) -> list[tuple[str, torch.Tensor]]:
+    """The backbone's floating-point weights (not the drafter's: it is trained on the finished target), as
+    leaves that require grad, named `layer.key` (`model.key` outside the blocks)."""
+    named = [(f"model.{k}", v) for k, v in model.params.model.items()]
+    named += [(f"{i}.{k}", v) for i, block in enumerate(model.params.layers) for k, v in block.items()]
+    leaves = []
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.requires_grad_(True)
+            leaves.append((name, value))
+    return leaves
+
+
+def reply_rows(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch rows whose logits predict a reply token, and those tokens."""
+    rows, targets, offset = [], [], 0
+    for s in seqs:
+        rows += range(offset + s.reply_start - 1, offset + len(s.ids) - 1)
+        targets += s.ids[s.reply_start:]
+        offset += len(s.ids)
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)
+
+
+def loss_of(model, seqs: list[Sequence]) -> torch.Tensor:
+    """Cross-entropy of the reply tokens of `seqs`, prefilled together from position 0: the mean over each reply's
+    tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more)."""
+    store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs])
+    ids = list(range(len(seqs)))
+    for i, s in zip(ids, seqs):
+        store.add(i)
+        store.ensure(i, len(s.ids))
+    rows, targets = reply_rows(seqs)
+    batch = make_batch([s.ids for s in seqs])._replace(logit_rows=rows)
+    batch = store.address(batch, ids, None)
+    logits, _, _ = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    per_token = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
+    owner = torch.repeat_interleave(torch.tensor([len(s.ids) - s.reply_start for s in seqs]))
+    per_reply = torch.zeros(len(seqs), dtype=per_token.dtype).index_add_(0, owner, per_token)
+    return (per_reply / torch.bincount(owner, minlength=len(seqs))).mean()
+
+
+class TargetTrainer:
+    def __init__(self, model, schedule: Schedule):
+        self.model, self.schedule = model, schedule
+        self.named = trainable(model)
+        decay = [v for n, v in self.named if v.dim() >= 2]
+        keep = [v for n, v in self.named if v.dim() < 2]        # norms, sinks, biases, scales: no decay
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": schedule.weight_decay},
+                                      {"params": keep, "weight_decay": 0.0}], lr=schedule.lr, betas=(0.9, 0.95))
+        self.step_count = 0
+
+    def step(self, seqs: list[Sequence]) -> tuple[float, float]:
+        """One optimiser step on `seqs`: (reply cross-entropy, indexer KL; 0 without CSA entries)."""
+        for group in self.opt.param_groups:
+            group["lr"] = self.schedule.lr_at(self.step_count)
+        with distilling() as indexer, balancing() as loads:
+            ce = loss_of(self.model, seqs)
+        kl = indexer.loss()
+        total = ce if kl is None else ce + INDEXER_WEIGHT * kl
+        self.opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_([v for _, v in self.named], self.schedule.clip)
+        self.opt.step()
+        loads.update_biases()
+        self.step_count += 1
+        return float(ce.detach()), 0.0 if kl is None else float(kl.detach())
+
+    def finish(self) -> None:
+        """Back to inference: the weights stop requiring grad (the engine runs under inference_mode)."""
+        for _, v in self.named:
+            v.requires_grad_(False)
+            v.grad = None
