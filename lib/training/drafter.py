@@ -19,10 +19,11 @@ from typing import NamedTuple
 
 import torch
 
-from lib.records.batch import Batch, make_batch
+from lib.records.batch import Batch
 from lib.records.decode_state import LayerPools
 from lib.runtime.paged_cache import PagedCache, ring_addressing
 from lib.training.corpus import Sequence
+from lib.training.target import prefill
 
 CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
 
@@ -34,18 +35,6 @@ def drafter_leaves(model) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 leaves.append(value.requires_grad_(True))
     return leaves
-
-
-@torch.no_grad()
-def _target(model, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target's logits [T, V] and main_hidden [T, k*d] of every position of `seqs`."""
-    store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs])
-    for i, s in enumerate(seqs):
-        store.add(i)
-        store.ensure(i, len(s.ids))
-    batch = store.address(make_batch([s.ids for s in seqs]), list(range(len(seqs))), None)
-    logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
-    return logits.double(), hidden
 
 
 def anchors_of(seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -64,17 +53,25 @@ class Blocks(NamedTuple):
     valid: torch.Tensor              # [n, gamma] the predicted token lies inside the conversation
 
 
-def draft_blocks(model, seqs: list[Sequence]) -> Blocks:
-    """Every reply anchor's draft block, as the engine would draft it after committing positions up to p."""
+def ring_rows(model) -> int:
+    """Rows of a drafter stage's context ring, as the engine's cache sizes them."""
+    return PagedCache.for_lengths(model, [1], rings=True).rings[0].window.shape[1]
+
+
+def draft_blocks(model, seqs: list[Sequence], ring: int | None = None) -> Blocks:
+    """Every reply anchor's draft block, as the engine would draft it after committing positions up to p
+    (`ring`: ring_rows(model), computed once by a caller that drafts often)."""
     cfg, mod, params = model.cfg, model.module, model.params
     gamma, noise = cfg.dspark_block_size, cfg.dspark_noise_token_id
-    logits_t, hidden = _target(model, seqs)
+    with torch.no_grad():                      # the frozen target: its logits [T, V] and main_hidden [T, k*d]
+        logits_t, hidden = prefill(model, seqs)
+    logits_t = logits_t.double()
     offsets = torch.tensor([0] + [len(s.ids) for s in seqs]).cumsum(0)
     positions = torch.cat([torch.arange(len(s.ids)) for s in seqs])
     main_x = mod.draft_context(params, hidden, cfg, model.rope)
     anchors = anchors_of(seqs)
     n = len(anchors)
-    ring = PagedCache.for_lengths(model, [1], rings=True).rings[0].window.shape[1]   # the engine's ring rows
+    ring = ring or ring_rows(model)
     # ring rows: anchor s holds positions [p + 1 - W, p + 1) of its conversation, in slot s at row q % W
     dest, src = [], []
     for s, (c, p) in enumerate(anchors):
@@ -112,9 +109,9 @@ def draft_blocks(model, seqs: list[Sequence]) -> Blocks:
     return Blocks(anchors, logits_d, confidence, p_t, greedy, valid)
 
 
-def dspark_loss(model, seqs: list[Sequence]) -> tuple[torch.Tensor, float]:
+def dspark_loss(model, seqs: list[Sequence], ring: int | None = None) -> tuple[torch.Tensor, float]:
     """DSpark's loss over every reply anchor of `seqs`, and the mean greedy-accepted prefix length per block."""
-    b = draft_blocks(model, seqs)
+    b = draft_blocks(model, seqs, ring)
     gamma = b.logits.shape[1]
     tv = 0.5 * (torch.softmax(b.logits, dim=-1) - b.target).abs().sum(-1)
     ce = torch.nn.functional.cross_entropy(b.logits.transpose(1, 2), b.greedy, reduction="none")
@@ -133,6 +130,7 @@ class DrafterTrainer:
                     value.requires_grad_(False)
         self.model, self.steps, self.lr, self.warmup = model, steps, lr, warmup
         self.leaves = drafter_leaves(model)
+        self.ring = ring_rows(model)
         self.opt = torch.optim.AdamW(self.leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step_count = 0
 
@@ -146,7 +144,7 @@ class DrafterTrainer:
         """One optimiser step: (DSpark loss, mean greedy-accepted drafts per block)."""
         for group in self.opt.param_groups:
             group["lr"] = self._lr()
-        loss, accepted = dspark_loss(self.model, seqs)
+        loss, accepted = dspark_loss(self.model, seqs, self.ring)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.leaves, 1.0)

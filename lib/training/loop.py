@@ -12,7 +12,6 @@ of how it was made and how it scores.
 from __future__ import annotations
 
 import json
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +50,6 @@ def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool =
         raise ValueError(f"--steps must be >= 1 and --tokens-per-step >= 64, got {config.steps} and {config.tokens_per_step}")
     started = time.monotonic()
     torch.manual_seed(config.seed)
-    random.seed(config.seed)
     cfg = variant_config(TINY_VARIANT, PRESETS[config.preset])
     tokenizer = task_tokenizer(cfg.vocab_size)
     with tempfile.TemporaryDirectory(prefix="train-tiny-init-") as tmp:

@@ -67,18 +67,25 @@ def reply_rows(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)
 
 
-def loss_of(model, seqs: list[Sequence]) -> torch.Tensor:
-    """Cross-entropy of the reply tokens of `seqs`, prefilled together from position 0: the mean over each reply's
-    tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more)."""
+def prefill(model, seqs: list[Sequence], logit_rows: torch.Tensor | None = None):
+    """The reference forward over whole conversations prefilled together from position 0 in a fresh paged cache (as
+    the runtime prefills a batch of prompts; outside inference_mode, so gradients flow): (logits of `logit_rows`
+    or of every row, main_hidden)."""
     store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs])
     ids = list(range(len(seqs)))
     for i, s in zip(ids, seqs):
         store.add(i)
         store.ensure(i, len(s.ids))
+    batch = store.address(make_batch([s.ids for s in seqs])._replace(logit_rows=logit_rows), ids, None)
+    logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    return logits, hidden
+
+
+def loss_of(model, seqs: list[Sequence]) -> torch.Tensor:
+    """Cross-entropy of the reply tokens of `seqs`, prefilled together from position 0: the mean over each reply's
+    tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more)."""
     rows, targets = reply_rows(seqs)
-    batch = make_batch([s.ids for s in seqs])._replace(logit_rows=rows)
-    batch = store.address(batch, ids, None)
-    logits, _, _ = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    logits, _ = prefill(model, seqs, rows)
     per_token = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
     owner = torch.repeat_interleave(torch.tensor([len(s.ids) - s.reply_start for s in seqs]))
     per_reply = torch.zeros(len(seqs), dtype=per_token.dtype).index_add_(0, owner, per_token)
