@@ -18,7 +18,7 @@ from lib.evaluation.suite import prompt_text, reply_text
 from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tiny_tokenizer
 
 # share of each task in the training stream (tool calls and retrieval are long; arithmetic needs the most examples)
-MIX = {"arithmetic": 0.3, "counting": 0.1, "copying": 0.1, "facts": 0.2, "retrieval": 0.2, "tool_call": 0.1}
+MIX = {"arithmetic": 0.4, "counting": 0.075, "copying": 0.075, "facts": 0.15, "retrieval": 0.2, "tool_call": 0.1}
 CORPUS_EXAMPLES = 60        # per task: the text the tokenizer's merges are learnt from
 MAX_GAP_WINDOWS = 10        # retrieval gaps are drawn from 1 to this many sliding windows
 

@@ -20,6 +20,7 @@ import torch
 
 import backends.cpu.ops.attention as reference_attention
 from backends.cpu.ops import indexer as reference_indexer
+from backends.cpu.ops.basic import wide
 
 
 class Distillation:
@@ -32,13 +33,14 @@ class Distillation:
     def loss(self) -> torch.Tensor | None:
         return torch.stack(self.terms).mean() if self.terms else None
 
+    @torch.no_grad()
     def target(self, q: torch.Tensor, batch, entries: torch.Tensor, ratio: int) -> torch.Tensor:
         """[T, E] the main attention's distribution over the visible entries (no gradient)."""
         addr = batch.state
         ids = torch.arange(addr.max_entries[ratio], dtype=torch.int64)
-        block = reference_attention._entries(addr, entries, ratio, ids, slice(None)).detach().double()
+        block = reference_attention._entries(addr, entries, ratio, ids, slice(None)).detach().to(wide.dtype)
         spec = "thd,ed->the" if block.dim() == 2 else "thd,ted->the"
-        logits = torch.einsum(spec, q.detach().double(), block) * q.shape[-1] ** -0.5              # [T, H, E]
+        logits = torch.einsum(spec, q.detach().to(wide.dtype), block) * q.shape[-1] ** -0.5        # [T, H, E]
         visible = ids[None, :] < ((batch.positions + 1) // ratio)[:, None]                          # [T, E]
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
         p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)                              # [T, E]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops.basic import gather_rows, wide
+
 from backends.cpu.ops import indexer
 from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
@@ -46,7 +48,7 @@ def window_keys(sources: torch.Tensor, batch: Batch, ring: int, window: int,
     addr = batch.state
     pos = batch.positions[rows, None] - window + 1 + torch.arange(window)              # [t, W]
     src = addr.sources(addr.row_seq[rows, None].expand_as(pos), pos, ring)
-    return sources[src], pos >= 0
+    return gather_rows(sources, src), pos >= 0
 
 
 def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -55,8 +57,9 @@ def _entries(addr, entries: torch.Tensor, ratio: int, ids: torch.Tensor, rows: s
     seq = addr.row_seq[rows]
     t, n = seq.shape[0], ids.shape[0]
     if addr.seq_slot.shape[0] == 1:
-        return entries[addr.entry_rows(ratio, torch.zeros_like(ids), ids)]
-    return entries[addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.repeat(t))].view(t, n, -1)
+        return gather_rows(entries, addr.entry_rows(ratio, torch.zeros_like(ids), ids))
+    rows_of = addr.entry_rows(ratio, seq[:, None].expand(t, n).reshape(-1), ids.repeat(t))
+    return gather_rows(entries, rows_of).view(t, n, -1)
 
 
 def store_window(kv: torch.Tensor, batch: Batch, pool: torch.Tensor) -> torch.Tensor:
@@ -88,23 +91,24 @@ def _attend(q: torch.Tensor, sources: torch.Tensor, batch: Batch, ring: int, ent
     """`sparse_attention` of query rows `rows` -> o [t, H, D] fp32 (the pools are only read)."""
     addr, d = batch.state, q.shape[-1]
     keys, mask = window_keys(sources, batch, ring, window, rows)
-    keys = keys.double()
+    keys = keys.to(wide.dtype)
     limit = (batch.positions[rows] + 1) // ratio if ratio else None
     if entries is not None and selection is not None:                   # CSA: the selected rows only
         chosen = selection[rows]
         picked = addr.entry_rows(ratio, addr.row_seq[rows, None].expand_as(chosen).reshape(-1), chosen.reshape(-1))
-        keys = torch.cat((keys, entries[picked].view(*chosen.shape, -1).double()), dim=1)   # [t, W + k, D]
+        picked_keys = gather_rows(entries, picked).view(*chosen.shape, -1).to(wide.dtype)
+        keys = torch.cat((keys, picked_keys), dim=1)                                                # [t, W + k, D]
         mask = torch.cat((mask, (chosen >= 0) & (chosen < limit[:, None])), dim=1)
-    qd, scale = q[rows].double(), d ** -0.5
+    qd, scale = q[rows].to(wide.dtype), d ** -0.5
     logits = torch.where(mask[:, None, :], torch.einsum("thd,tkd->thk", qd, keys) * scale, float("-inf"))
-    sink = sink.double()[None, :, None]                                          # [1, H, 1]
+    sink = sink.to(wide.dtype)[None, :, None]                                          # [1, H, 1]
     top = torch.maximum(logits.amax(-1, keepdim=True), sink)                    # [t, H, 1]
     e = torch.exp(logits - top)
     total, acc = e.sum(-1, keepdim=True), torch.einsum("thk,tkd->thd", e, keys)
     if entries is not None and selection is None:                       # HCA: every complete entry
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
             ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64)                # full width, masked
-            block = _entries(addr, entries, ratio, ids, rows).double()                  # [n, D] or [t, n, D]
+            block = _entries(addr, entries, ratio, ids, rows).to(wide.dtype)                  # [n, D] or [t, n, D]
             spec = ("thd,kd->thk", "thk,kd->thd") if block.dim() == 2 else ("thd,tkd->thk", "thk,tkd->thd")
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],
                              torch.einsum(spec[0], qd, block) * scale, float("-inf"))

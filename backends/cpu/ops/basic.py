@@ -5,18 +5,46 @@ once on the way out. BLAS and reduction kernels pick different blockings and sum
 for different row counts (a decode step's M=1 gemv and a prefill gemm differ by ~1e-6 relative),
 and the oracle must give the same answer for a token whatever batch or chunk it arrives in
 (prefill(n) + decode == prefill(n+k), L24). fp64 inside makes that hold to the last fp32 bit in
-practice; the results are still the fp32 values of the exact equations.
+practice; the results are still the fp32 values of the exact equations. `computing_in` lowers that inner dtype
+for a scope: training (lib/training) needs gradients, not last-bit stability, and fp32 halves the memory traffic
+of every op at the tiny widths, where that traffic and not arithmetic is the cost.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from lib.distributed import process_group as parallel
 
 
+class _Wide:
+    dtype = torch.float64     # what every op here computes in before rounding to fp32
+
+
+wide = _Wide()
+
+
+@contextlib.contextmanager
+def computing_in(dtype: torch.dtype):
+    """Run the reference ops in `dtype` inside (torch.float64 outside any such scope)."""
+    saved, wide.dtype = wide.dtype, dtype
+    try:
+        yield
+    finally:
+        wide.dtype = saved
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index] for an integer index of any shape -> [*index.shape, *table.shape[1:]], through index_select:
+    the same values, and its backward is an index_add (advanced indexing's is a sorted index_put, several times
+    slower on CPU when thousands of rows read a few hundred pool rows)."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in fp64, rounded to fp32."""
-    return (a.double() @ b.double()).float()
+    return (a.to(wide.dtype) @ b.to(wide.dtype)).float()
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: int = 1) -> torch.Tensor:
@@ -32,13 +60,13 @@ def embed(tokens: torch.Tensor, table: torch.Tensor, *, shard: int = 0, shards: 
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.double()
+    x = x.to(wide.dtype)
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (§2)."""
-    return (weight.double() * _rms(x, eps)).float()
+    return (weight.to(wide.dtype) * _rms(x, eps)).float()
 
 
 def head_rms_norm(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
@@ -63,8 +91,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     through rows [g*R, (g+1)*R) of weight [G*R, H/G*D]; result [T, G*R].
     """
     t = x.shape[0]
-    xg = x.double().reshape(t, groups, -1)                         # [T, G, H/G*D]
-    wg = weight.double().reshape(groups, -1, xg.shape[-1])         # [G, R, H/G*D]
+    xg = x.to(wide.dtype).reshape(t, groups, -1)                         # [T, G, H/G*D]
+    wg = weight.to(wide.dtype).reshape(groups, -1, xg.shape[-1])         # [G, R, H/G*D]
     return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1).float()   # [T, G*R]
 
 
@@ -72,8 +100,8 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
     """wo_b (§3.6 step 8): x [T, G*R] -> [T, d], summed over this rank's G groups in fp64 and then
     over the TP group (all-reduce in fp64) before the one rounding to fp32."""
     t = x.shape[0]
-    xg = x.double().reshape(t, groups, -1)                            # [T, G, R]
-    wg = weight.double().reshape(weight.shape[0], groups, -1)         # [d, G, R]
+    xg = x.to(wide.dtype).reshape(t, groups, -1)                            # [T, G, R]
+    wg = weight.to(wide.dtype).reshape(weight.shape[0], groups, -1)         # [d, G, R]
     return parallel.all_reduce(torch.einsum("tgr,dgr->td", xg, wg), group).float()
 
 
@@ -83,4 +111,4 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.double() + b.double()).float()
+    return (a.to(wide.dtype) + b.to(wide.dtype)).float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.cpu.ops.basic import rms_norm
+from backends.cpu.ops.basic import gather_rows, rms_norm, wide
 from backends.cpu.ops.rope import rope
 from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools
@@ -26,8 +26,8 @@ def window_rows(a_all: torch.Tensor, z_all: torch.Tensor, batch: Batch, pools: C
     span = 2 * ratio if overlap else ratio
     q = (writes.ids * ratio - (span - ratio))[:, None] + torch.arange(span)              # [K, S] positions
     src = addr.sources(writes.seq[:, None].expand_as(q), q, ring)
-    kv = torch.cat((pools.kv.view(-1, c), a_all))[src]                                    # [K, S, C]
-    gate = torch.cat((pools.gate.view(-1, c), z_all))[src]
+    kv = gather_rows(torch.cat((pools.kv.view(-1, c), a_all)), src)                       # [K, S, C]
+    gate = gather_rows(torch.cat((pools.gate.view(-1, c), z_all)), src)
     if overlap:
         dc = c // 2
         kv = torch.cat((kv[:, :ratio, :dc], kv[:, ratio:, dc:]), dim=1)                   # [K, 2m, Dc]
@@ -52,12 +52,12 @@ def compress(h: torch.Tensor, batch: Batch, pools: CompressorPools, wkv: torch.T
     ape [ratio, C] biases the gate by position within the window. Pooling is a softmax over the
     window's slots per channel in fp64; entries are RMS-normalised and rotated at position m*e.
     """
-    a_all = (h.double() @ wkv.double().t()).float()                                      # [T, C]
-    z_all = (h.double() @ wgate.double().t() + ape.double()[batch.positions % ratio]).float()
+    a_all = (h.to(wide.dtype) @ wkv.to(wide.dtype).t()).float()                                      # [T, C]
+    z_all = (h.to(wide.dtype) @ wgate.to(wide.dtype).t() + ape.to(wide.dtype)[batch.positions % ratio]).float()
     writes = batch.state.writes[ratio]
     kv, gate, valid = window_rows(a_all, z_all, batch, pools, ratio=ratio, overlap=overlap)
-    g = gate.double().masked_fill(~valid[:, :, None], float("-inf"))
-    pooled = (torch.softmax(g, dim=1) * kv.double().masked_fill(~valid[:, :, None], 0)).sum(dim=1).float()
+    g = gate.to(wide.dtype).masked_fill(~valid[:, :, None], float("-inf"))
+    pooled = (torch.softmax(g, dim=1) * kv.to(wide.dtype).masked_fill(~valid[:, :, None], 0)).sum(dim=1).float()
     entries = rope(rms_norm(pooled, norm, eps), angles.entries[ratio], rope_dim)   # [K, Dc] at m * e
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     store_rows(a_all, z_all, batch, pools)

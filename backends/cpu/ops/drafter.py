@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops.basic import gather_rows, wide
+
 from backends.cpu.ops.attention import _softmax_with_sink
 from lib.records.batch import Batch
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
     """[T, n, d] -> [T, d]: the plain mean over the hyper-connection streams."""
-    return x.double().mean(dim=1).float()
+    return x.to(wide.dtype).mean(dim=1).float()
 
 
 def context_features(taps: list[torch.Tensor]) -> torch.Tensor | None:
@@ -30,7 +32,7 @@ def ring_keys(batch: Batch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     seq = addr.row_seq
     pos = addr.seq_start[seq][:, None] - w + torch.arange(w)                            # [T, W]
     rows = addr.ring_rows(seq[:, None].expand_as(pos), pos.clamp(min=0), w)
-    return ring.view(-1, ring.shape[-1])[rows], pos >= 0
+    return gather_rows(ring.view(-1, ring.shape[-1]), rows), pos >= 0
 
 
 def dspark_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, rings: torch.Tensor,
@@ -42,9 +44,9 @@ def dspark_attention(q: torch.Tensor, kv: torch.Tensor, batch: Batch, rings: tor
     are predicted jointly, so there is no causal mask."""
     d, s = q.shape[-1], len(batch.seq_lens)
     ring, filled = ring_keys(batch, rings)
-    block = kv.double().view(s, -1, kv.shape[-1])                                        # [S, G, D]
-    keys = torch.cat((ring.double(), block[batch.state.row_seq]), dim=1)                # [T, W + G, D]
-    logits = torch.einsum("thd,tkd->thk", q.double(), keys) / d ** 0.5
+    block = kv.to(wide.dtype).view(s, -1, kv.shape[-1])                                        # [S, G, D]
+    keys = torch.cat((ring.to(wide.dtype), block[batch.state.row_seq]), dim=1)                # [T, W + G, D]
+    logits = torch.einsum("thd,tkd->thk", q.to(wide.dtype), keys) / d ** 0.5
     mask = torch.cat((filled, torch.ones(q.shape[0], block.shape[1], dtype=torch.bool)), dim=1)
-    p = _softmax_with_sink(logits.masked_fill(~mask[:, None, :], float("-inf")), sink.double())
+    p = _softmax_with_sink(logits.masked_fill(~mask[:, None, :], float("-inf")), sink.to(wide.dtype))
     return torch.einsum("thk,tkd->thd", p, keys).float()

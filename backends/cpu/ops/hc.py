@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops.basic import wide
+
 
 def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
     """[T, d] -> [T, n, d]: the initial state repeats the embedding in every stream (§3.1)."""
@@ -17,9 +19,9 @@ def hc_expand(e: torch.Tensor, streams: int) -> torch.Tensor:
 
 def _mix_logits(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """r * (fn @ vec(X)) with r = 1/RMS over all n*d values (§3.3 steps 1-3), fp64."""
-    flat = x.double().flatten(1)                                       # [T, n*d]
+    flat = x.to(wide.dtype).flatten(1)                                       # [T, n*d]
     r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return (flat * r) @ fn.double().t()
+    return (flat * r) @ fn.to(wide.dtype).t()
 
 
 def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -37,23 +39,23 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
     n = x.shape[1]
     m = _mix_logits(x, fn, norm_eps)                                   # [T, (2+n)*n]
-    base, scale = base.double(), scale.double()
+    base, scale = base.to(wide.dtype), scale.to(wide.dtype)
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
     comb = sinkhorn((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
-    u = (pre.unsqueeze(-1) * x.double()).sum(dim=1)
+    u = (pre.unsqueeze(-1) * x.to(wide.dtype)).sum(dim=1)
     return u.float(), post.float(), comb.float()
 
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_k <- post_k * y + sum_j comb[j, k] X_j (the residual mix contracts comb's FIRST index)."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb.double(), x.double())
-    return (post.double().unsqueeze(-1) * y.double().unsqueeze(1) + mixed).float()
+    mixed = torch.einsum("tjk,tjd->tkd", comb.to(wide.dtype), x.to(wide.dtype))
+    return (post.to(wide.dtype).unsqueeze(-1) * y.to(wide.dtype).unsqueeze(1) + mixed).float()
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             norm_eps: float, hc_eps: float) -> torch.Tensor:
     """Final collapse (§3.4): pre_j = sigmoid(s*m_j + b_j) + eps, no Sinkhorn; -> [T, d]."""
     m = _mix_logits(x, fn, norm_eps)                                   # [T, n]
-    pre = torch.sigmoid(scale.double() * m + base.double()) + hc_eps
-    return (pre.unsqueeze(-1) * x.double()).sum(dim=1).float()
+    pre = torch.sigmoid(scale.to(wide.dtype) * m + base.to(wide.dtype)) + hc_eps
+    return (pre.unsqueeze(-1) * x.to(wide.dtype)).sum(dim=1).float()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops.basic import gather_rows, wide
+
 from lib.records.batch import Batch
 
 # Entries scored per block: the [T, block, Di] keys and [T, Hi, block] products of a block stay
@@ -35,8 +37,8 @@ def block_scores(q: torch.Tensor, ws: torch.Tensor, keys: torch.Tensor) -> torch
     """fp64 scores [T, B] of queries q [T, Hi, Di] against their own keys [T, B, Di], or keys [B, Di]
     all of them share (a batch of one sequence: one GEMM instead of T small ones); ws [T, Hi]."""
     spec = "thd,bd->thb" if keys.dim() == 2 else "thd,tbd->thb"
-    relu = torch.einsum(spec, q.double(), keys.double()).relu_()                       # [T, Hi, B]
-    return torch.bmm(ws.double().unsqueeze(1), relu).squeeze(1)                        # [T, B]
+    relu = torch.einsum(spec, q.to(wide.dtype), keys.to(wide.dtype)).relu_()                       # [T, Hi, B]
+    return torch.bmm(ws.to(wide.dtype).unsqueeze(1), relu).squeeze(1)                        # [T, B]
 
 
 def _keys(addr, keys: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tensor:
@@ -44,9 +46,9 @@ def _keys(addr, keys: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tens
     share them; a shape fact, no sync), else [T, B, Di] through each query's block table."""
     t, n = addr.row_seq.shape[0], ids.shape[0]
     if addr.seq_slot.shape[0] == 1:
-        return keys[addr.entry_rows(ratio, torch.zeros_like(ids), ids)]
+        return gather_rows(keys, addr.entry_rows(ratio, torch.zeros_like(ids), ids))
     rows = addr.entry_rows(ratio, addr.row_seq[:, None].expand(t, n).reshape(-1), ids.repeat(t)).view(t, n)
-    return keys[rows]
+    return gather_rows(keys, rows)
 
 
 def merge_top(best_scores: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor,
@@ -66,7 +68,7 @@ def all_scores(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch
     addr, t = batch.state, q.shape[0]
     n = addr.max_entries[ratio]
     ids = torch.arange(n, dtype=torch.int64)
-    scores = block_scores(q, weights.double() * weight_scale, _keys(addr, keys, ratio, ids))
+    scores = block_scores(q, weights.to(wide.dtype) * weight_scale, _keys(addr, keys, ratio, ids))
     return scores.masked_fill_(ids[None, :] >= ((batch.positions + 1) // ratio)[:, None], float("-inf"))
 
 
@@ -78,10 +80,10 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     addr = batch.state
     t = q.shape[0]
     limit = (batch.positions + 1) // ratio                                               # [T]: visible ids < limit
-    ws = weights.double() * weight_scale
+    ws = weights.to(wide.dtype) * weight_scale
     # the running selection starts as k empty slots: ids -k..-1 (below every real id), -inf
     best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
-    best = torch.full((t, topk), float("-inf"), dtype=torch.float64)
+    best = torch.full((t, topk), float("-inf"), dtype=wide.dtype)
     n = block_size(t, q.shape[1], q.shape[2])          # every block full width
     for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int64)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from backends.cpu.ops.basic import wide
 import torch.nn.functional as F
 
 from lib.distributed import expert_exchange as ep
@@ -17,7 +19,7 @@ from lib.records.expert_placement import local_ids
 
 def _scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """sqrt(softplus(W_g x)) (scoring_func sqrtsoftplus), fp64."""
-    return torch.sqrt(F.softplus(x.double() @ gate.double().t()))
+    return torch.sqrt(F.softplus(x.to(wide.dtype) @ gate.to(wide.dtype).t()))
 
 
 def _weights(scores: torch.Tensor, ids: torch.Tensor, route_scale: float) -> torch.Tensor:
@@ -35,7 +37,7 @@ def route_hash(x: torch.Tensor, gate: torch.Tensor, tid2eid: torch.Tensor, token
 def route_learned(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float):
     """Learned layers: experts = top-k of scores + bias; the bias steers selection only (noaux_tc)."""
     scores = _scores(x, gate)
-    ids = torch.topk(scores + bias.double(), topk, dim=-1).indices
+    ids = torch.topk(scores + bias.to(wide.dtype), topk, dim=-1).indices
     return _weights(scores, ids, route_scale), ids
 
 
@@ -46,12 +48,12 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def _expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     """W2 (SiLU(min(W1 x, L)) * clamp(W3 x)) in fp64; w1, w3 [I, d], w2 [d, I]."""
-    return clipped_swiglu(x @ w1.double().t(), x @ w3.double().t(), limit) @ w2.double().t()
+    return clipped_swiglu(x @ w1.to(wide.dtype).t(), x @ w3.to(wide.dtype).t(), limit) @ w2.to(wide.dtype).t()
 
 
 def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     """The shared expert (weight 1)."""
-    return _expert(x.double(), w1, w3, w2, limit).float()
+    return _expert(x.to(wide.dtype), w1, w3, w2, limit).float()
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
@@ -62,7 +64,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     EP rank's experts computes their pairs' rows, and lib/distributed/expert_exchange.py brings every token its rows."""
     return ep.exchange(placement, x, weights, ids, ep.Experts(
         lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
-        functools.partial(ep.weighted_sum, out_dtype=torch.float32), torch.float64, torch.float32))
+        functools.partial(ep.weighted_sum, out_dtype=torch.float32), wide.dtype, torch.float32))
 
 
 def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
@@ -74,7 +76,7 @@ def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
         held = local < placement.n_local
         if w1.shape[0] == placement.n_local:        # only this rank's experts are loaded: local ids
             ids = local.clamp(max=placement.n_local - 1)
-    x = x.double()
+    x = x.to(wide.dtype)
     t, k = ids.shape
     if t * k < w1.shape[0]:
         rows = _pair_rows(x, ids, w1, w3, w2, limit)

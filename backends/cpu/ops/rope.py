@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.cpu.ops.basic import wide
+
 from lib.records.step_rope import StepRope, split, step_positions
 
 
@@ -17,7 +19,7 @@ def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     positions, spans = step_positions(batch)
     out = {}
     for name, inv_freq in tables.items():
-        angles = (positions.float()[:, None] * inv_freq.float()[None, :]).double()   # [N, rope_dim/2]
+        angles = (positions.float()[:, None] * inv_freq.float()[None, :]).to(wide.dtype)   # [N, rope_dim/2]
         out[name] = split(StepRope(inv_freq, angles.cos(), angles.sin()), batch.positions.shape[0], spans)
     return out
 
@@ -26,13 +28,13 @@ def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch
     """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
     ratio's entries) or a (cos, sin) pair [T, rope_dim/2]; rotates x[..., D-rope_dim:] by +-position*theta."""
     cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
-    cos, sin = cos.double(), sin.double()
+    cos, sin = cos.to(wide.dtype), sin.to(wide.dtype)
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     if inverse:
         sin = -sin
     nope, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    pairs = rot.double().unflatten(-1, (rope_dim // 2, 2))
+    pairs = rot.to(wide.dtype).unflatten(-1, (rope_dim // 2, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat((nope.float(), rotated.float()), dim=-1)
