@@ -123,8 +123,14 @@ def _cmd_conformance(args) -> int:
                                          chunk=args.prefill_chunk, inject=args.inject, expert_mode=args.expert_mode,
                                          ep_sim=args.ep_sim, stages=stages)
     else:
-        report = conformance.run(args.backend, _model_path(args), steps=args.steps or 32, inject=args.inject,
-                                 expert_mode=args.expert_mode, ep_sim=args.ep_sim, stages=stages)
+        from lib.porting.conformance_accuracy import default_per_task
+
+        model = _model_path(args)
+        per_task = default_per_task(model) if args.accuracy is None else args.accuracy
+        if per_task < 0:
+            raise ValueError(f"--accuracy must be >= 0 questions per task, got {per_task}")
+        report = conformance.run(args.backend, model, steps=args.steps or 32, inject=args.inject,
+                                 expert_mode=args.expert_mode, ep_sim=args.ep_sim, stages=stages, accuracy=per_task)
     stages.finish()
     print(f"conformance of backend {args.backend}" + (f" at context {args.context}" if args.context else "")
           + (f" with injected {args.inject}" if args.inject else ""))
@@ -251,6 +257,9 @@ def _parser() -> argparse.ArgumentParser:
                         "model: the embedded tiny-long checkpoint, window 128 and compress ratios 4 / 128)")
     s.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk size with --context")
     s.add_argument("--ep-sim", type=int, default=2, help="expert-parallel ranks simulated in one process")
+    s.add_argument("--accuracy", type=int, metavar="N",
+                   help="held-out task questions per task, run on the reference and the backend (each task's accuracy "
+                        "within 3 points; default 40 on a checkpoint written by train-tiny, else 0: none)")
     s.add_argument("--expert-mode", choices=["resident", "streaming", "preconverted"])
     s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
     from lib.launcher.arguments import add_parallel_arguments

@@ -28,6 +28,7 @@ from codegen.lower import Rewrite
 from lib.console.stages import Stages
 from lib.emulation.relaxed import relaxed_widths
 from lib.guard.capability import CapabilityGuard, rules_from_profile
+from lib.porting.conformance_accuracy import accuracy_checks
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
 from lib.porting.conformance_ops import checked_ops, device_calls, op_call, op_checks, run_ops
@@ -195,18 +196,19 @@ def fused_widths(inject: str | None):
 
 def run(backend: str, model_path, steps: int = 32, prompt_len: int = 24, ep_sim: int = 2,
         inject: str | None = None, expert_mode: str | None = None, reference: ReferenceRun | None = None,
-        stop_on_failure: bool = False, stages: Stages | None = None) -> Report:
+        stop_on_failure: bool = False, stages: Stages | None = None, accuracy: int = 0) -> Report:
     """All conformance checks of `backend` (see `_run`), with the fused kernels' width limits relaxed
     for the emulation (lib/emulation/relaxed.py): at tiny widths the device runs the fused kernels
-    its profile would choose for the real model, every other limit of theirs still checked."""
+    its profile would choose for the real model, every other limit of theirs still checked. `accuracy` > 0 adds
+    the held-out task accuracy of that many questions per task against the reference's (conformance_accuracy.py)."""
     with fused_widths(inject):
         return _run(backend, model_path, steps, prompt_len, ep_sim, inject, expert_mode, reference,
-                    stop_on_failure, stages)
+                    stop_on_failure, stages, accuracy)
 
 
 def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inject: str | None,
          expert_mode: str | None, reference: ReferenceRun | None, stop_on_failure: bool,
-         stages: Stages | None) -> Report:
+         stages: Stages | None, accuracy: int = 0) -> Report:
     """All conformance checks of `backend`; `reference` may be reused across runs of one model.
     The checks run in stages, cheapest first (ops and sub-layers; the paged run against the
     reference's logits and in another placement; four batch replicas with a rewound verify; the
@@ -221,7 +223,7 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
     stages = stages or Stages.quiet()
     if stages.enabled and stages.total is None:    # the device's six stages, the reference's, the drafter's
         draft = reference.draft is not None if reference else has_dspark_drafter(model_path)
-        stages.total = 6 + (reference is None) + draft
+        stages.total = 6 + (reference is None) + draft + (accuracy > 0)
     if reference is None:
         with stages(f"cpu reference ({prompt_len}-token prompt + {steps} greedy steps, calls recorded)"):
             reference = reference_run(model_path, steps, prompt_len)
@@ -275,6 +277,9 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
             with stages(f"draft checks ({len(reference.draft.starts)} DSpark draft blocks, teacher-forced)"):
                 with drafter_model(model_path, backend, profile, dev, options, fault.code) as (drafting, mode):
                     checks += draft_checks(drafting, reference.draft, mode, budgets["logits"].budget, Check)
+        if accuracy and not done():
+            with stages(f"held-out task accuracy ({accuracy} questions per task, reference and {backend})"):
+                checks += accuracy_checks(model_path, dev, backend, accuracy, Check)
     return Report(backend, tuple(checks))
 
 
