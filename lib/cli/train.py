@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
 
 
 def _run(args) -> int:
-    from lib.training.loop import RECORD, TrainConfig, train_tiny
+    from lib.training.loop import TrainConfig, train_tiny
+    from lib.weights.shipped import TRAINING_RECORD
 
     config = TrainConfig(seed=args.seed, steps=args.steps, drafter_steps=args.drafter_steps,
                          tokens_per_step=args.tokens_per_step, lr=args.lr, eval_per_task=args.eval_per_task)
@@ -37,7 +38,7 @@ def _run(args) -> int:
                             log=lambda line: print(line, file=sys.stderr))
     print(f"wrote the trained checkpoint to {args.out} ({record['tokens']:,} training tokens in "
           f"{record['training_seconds']:.0f} s; loss {record['loss_first_20']:.3f} -> {record['loss_last_20']:.3f}; "
-          f"{args.out}/{RECORD} has the record)")
+          f"{args.out}/{TRAINING_RECORD} has the record)")
     if "heldout" in record:
         held = record["heldout"]
         print("held-out exact match: " + ", ".join(f"{t} {a:.0%}" for t, a in held["accuracy"].items()))

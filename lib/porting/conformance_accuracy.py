@@ -17,16 +17,16 @@ from lib.evaluation import suite
 from lib.evaluation.tasks import TASKS
 from lib.runtime.loaded_model import load_model
 from lib.text.tokenizer import Tokenizer
+from lib.weights.shipped import TRAINING_RECORD
 
 ACCURACY_POINTS = 3.0       # the largest accuracy difference from the reference, in points, on any task
 GAP_WINDOWS = 8             # retrieval: sliding windows between the asked record and the question (dsv4gen eval's)
-TRAINED_RECORD = "training.json"
 
 
 def default_per_task(model_path) -> int:
     """Held-out questions per task when the command line does not say: on a trained checkpoint 40 (one answer is
     2.5 points, so a single flipped answer passes and two do not), else none."""
-    return 40 if (Path(model_path) / TRAINED_RECORD).exists() else 0
+    return 40 if (Path(model_path) / TRAINING_RECORD).exists() else 0
 
 
 def measured(model, tokenizer: Tokenizer, per_task: int, seed: int = 0) -> suite.SuiteRun:

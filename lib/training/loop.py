@@ -26,10 +26,10 @@ from lib.training.corpus import TrainingStream, task_tokenizer
 from lib.training.drafter import DrafterTrainer
 from lib.training.export import write_trained
 from lib.training.target import Schedule, TargetTrainer
+from lib.weights.shipped import TRAINING_RECORD
 from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT, make_tiny
 from spec.variants import variant_config
 
-RECORD = "training.json"
 # The reference ops compute in float64 for last-bit stability across batch shapes (backends/cpu/ops/basic.py);
 # training needs neither that nor the doubled memory traffic, so weights and ops run in float32 while it trains
 # (the checkpoint is written from them as from any float32 weights).
@@ -38,8 +38,8 @@ TRAINING_DTYPE = torch.float32
 
 class TrainConfig(NamedTuple):
     seed: int = 0
-    steps: int = 2000
-    drafter_steps: int = 300        # DSpark drafter steps on the finished target
+    steps: int = 3000
+    drafter_steps: int = 400        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
     lr: float = 2e-3
     eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
@@ -75,7 +75,7 @@ def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool =
     if config.eval_per_task:
         record["heldout"] = _score(path, config.eval_per_task, log)
     record["total_seconds"] = round(time.monotonic() - started, 1)
-    (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    (path / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

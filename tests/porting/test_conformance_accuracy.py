@@ -9,6 +9,7 @@ from lib.evaluation.tasks import examples
 from lib.porting import conformance_accuracy
 from lib.porting.conformance import Check
 from lib.runtime.loaded_model import load_model
+from lib.weights.shipped import TRAINING_RECORD
 
 
 def _run(correct: int, total: int = 40) -> SuiteRun:
@@ -21,7 +22,7 @@ def test_default_only_on_a_trained_checkpoint(tiny_ckpt, tmp_path):
     assert conformance_accuracy.default_per_task(tiny_ckpt) == 0
     trained = tmp_path / "trained"
     shutil.copytree(tiny_ckpt, trained)
-    (trained / conformance_accuracy.TRAINED_RECORD).write_text("{}\n")
+    (trained / TRAINING_RECORD).write_text("{}\n")
     assert conformance_accuracy.default_per_task(trained) == 40
 
 
