@@ -2,9 +2,13 @@
 
     python -m lib.bench.speculation [--backend cpu] [--tokens 64] [--batches 1,4,16] [--out DIR]
 
-Loads one checkpoint (default: the embedded tiny one) once, then for each batch size submits that
-many concurrent greedy requests (distinct prompts of 24-40 fixed token ids) to a fresh
-`lib.engine.llm_engine.Engine` and runs them to completion with `engine.generate`, in three modes:
+Loads one checkpoint (default: the embedded tiny one) once, then for each batch size b runs greedy requests to
+completion on a fresh `lib.engine.llm_engine.Engine` (`engine.generate`), in four modes. The requests (--prompts):
+- `tokens` (the default on a random checkpoint): the first b of 16 distinct prompts of 24-40 fixed token ids, all
+  at once, each running to max_tokens;
+- `tasks` (the default on a checkpoint written by train-tiny: what its drafter learnt to draft): 16 held-out
+  questions of the task mix in the V4 chat encoding, the tasks taking turns, b decoding together
+  (max_num_seqs=b), each ending at its end of sentence: every cell does the same work.
 
 - plain:                    speculative="none"
 - dspark (adaptive):        speculative="dspark", the checkpoint's own drafter, drafting while it pays and each
@@ -47,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,16",
                    help=f"comma-separated concurrent request counts, each 1..{MAX_BATCH} (default 1,4,16)")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the embedded tiny checkpoint)")
+    p.add_argument("--prompts", choices=("tokens", "tasks"), default=None,
+                   help="fixed token ids, or held-out task-mix questions (default: tasks on a checkpoint written by "
+                        "train-tiny, else tokens)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per cell; the fastest is reported, every wall time is kept (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -77,6 +84,19 @@ def make_prompts(cfg, n: int = N_PROMPTS) -> list[list[int]]:
         length = 24 + (7 * i) % 17
         prompts.append([usable[(i * 131 + j * 37 + (j * j) % 11) % len(usable)] for j in range(length)])
     return prompts
+
+
+def task_prompts(path: Path, cfg, n: int = N_PROMPTS) -> list[list[int]]:
+    """n held-out task-mix questions in the V4 chat encoding, the tasks taking turns."""
+    from lib.evaluation import suite
+    from lib.evaluation.tasks import TASKS
+    from lib.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(path)
+    per_task = -(-n // len(TASKS))
+    exs = suite.heldout(TASKS, per_task, 0, gap_tokens=8 * cfg.sliding_window, count_tokens=lambda s: len(tok.encode(s)))
+    turns = [exs[t * per_task + i] for i in range(per_task) for t in range(len(TASKS))][:n]
+    return [tok.encode(suite.prompt_text(ex)) for ex in turns]
 
 
 # ---- the oracle drafter ---------------------------------------------------------------------------
@@ -111,13 +131,17 @@ def oracle_drafter(references: dict[tuple[int, ...], list[int]]):
 
 
 # ---- one run ---------------------------------------------------------------------------------------
-def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references=None) -> dict:
+def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references=None, tokenizer=None,
+             concurrency: int | None = None) -> dict:
+    """One engine run of `prompts`, at most `concurrency` decoding together (default: all of them); with a
+    `tokenizer` each request also ends at its end of sentence (else at max_tokens)."""
     from lib.engine.llm_engine import Engine, EngineConfig
     from lib.engine.sampling import SamplingParams
 
-    config = EngineConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512, speculative=SPECULATIVE[mode],
+    config = EngineConfig(max_num_seqs=concurrency or MAX_BATCH, max_num_batched_tokens=512, speculative=SPECULATIVE[mode],
                           adaptive_drafting=mode != "always")
-    engine = Engine(model, config, drafter=oracle_drafter(references)) if mode == "oracle" else Engine(model, config)
+    oracle = {"drafter": oracle_drafter(references)} if mode == "oracle" else {}
+    engine = Engine(model, config, tokenizer=tokenizer, **oracle)
     first: dict[str, float] = {}
     steps = 0
     real_step = engine.step
@@ -141,7 +165,8 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
     drafted, accepted = list(engine.drafted), list(engine.accepted)
     per_step = sum(accepted) / drafted[0] if drafted and drafted[0] else None
     return {
-        "mode": mode, "label": LABELS[mode], "speculative": SPECULATIVE[mode], "batch": len(prompts),
+        "mode": mode, "label": LABELS[mode], "speculative": SPECULATIVE[mode],
+        "batch": concurrency or len(prompts), "requests": len(prompts),
         "max_tokens": tokens, "generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall,
         "ttft_mean_s": sum(ttft) / len(ttft), "ttft_s": ttft, "engine_steps": steps,
         "gamma": engine.gamma, "drafted": drafted, "accepted": accepted,
@@ -216,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     from tqdm import tqdm
     from lib.runtime.loaded_model import load_model
+    from lib.text.tokenizer import Tokenizer
+    from lib.weights.tiny_checkpoint import TRAINING_RECORD
     from lib.weights.tiny_checkpoint import embedded_tiny
 
     started = time.perf_counter()
@@ -224,31 +251,38 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     t0 = time.perf_counter()
     model = load_model(path, args.backend)
     load_s = time.perf_counter() - t0
-    prompts = make_prompts(model.cfg)
+    trained = (path / TRAINING_RECORD).exists()
+    args.prompts = args.prompts or ("tasks" if trained else "tokens")
+    prompts = task_prompts(path, model.cfg) if args.prompts == "tasks" else make_prompts(model.cfg)
+    tok = Tokenizer.from_dir(path) if args.prompts == "tasks" else None     # task questions end where they answer
     lengths = [len(p) for p in prompts]
     print(f"checkpoint {path}{' (embedded tiny)' if not args.checkpoint else ''}; backend {args.backend} "
           f"(compute {str(model.state_dtype).removeprefix('torch.')}); torch {torch.__version__}; "
           f"threads {torch.get_num_threads()}; python {platform.python_version()}", flush=True)
-    print(f"requests: greedy, max_tokens {args.tokens}, distinct prompts of {min(lengths)}-{max(lengths)} tokens; "
+    what = "held-out task-mix questions" if args.prompts == "tasks" else "distinct prompts"
+    print(f"requests: greedy, max_tokens {args.tokens}, {what} of {min(lengths)}-{max(lengths)} tokens; "
           f"EngineConfig(max_num_seqs={MAX_BATCH}, max_num_batched_tokens=512); model load {load_s:.2f} s "
           "(excluded)", flush=True)
 
     # The reference (plain greedy outputs of every prompt the runs use) doubles as the warm-up;
     # a short DSpark run warms the drafter programs.
-    n_ref = max(args.batches)
+    # token prompts: batch b = the first b prompts at once; task questions: batch b = all of them, b at a time
+    # (their replies run from 2 to 70 tokens, so the first b alone would measure whichever tasks come first)
+    n_ref = N_PROMPTS if tok is not None else max(args.batches)
     t0 = time.perf_counter()
-    reference = run_once(model, prompts[:n_ref], args.tokens, "plain")
+    reference = run_once(model, prompts[:n_ref], args.tokens, "plain", tokenizer=tok)
     reference_s = time.perf_counter() - t0
     references = {tuple(p): out for p, out in zip(prompts[:n_ref], reference["outputs"])}
-    run_once(model, prompts[:1], min(args.tokens, 4), "dspark")
+    run_once(model, prompts[:1], min(args.tokens, 4), "dspark", tokenizer=tok)
 
     runs, failures = [], []
     # each repeat runs every mode once, in turn: fairer when the machine's speed drifts
     jobs = [(b, m) for b in args.batches for _ in range(args.repeats) for m in MODES]
     tries: dict[tuple[str, int], list[dict]] = {}
     for b, m in tqdm(jobs, desc="engine runs", unit="run", disable=args.no_progress, file=sys.stderr):
-        run = run_once(model, prompts[:b], args.tokens, m, references)
-        problem = check_lossless(run, prompts[:b], references)
+        asked = prompts if tok is not None else prompts[:b]
+        run = run_once(model, asked, args.tokens, m, references, tok, concurrency=b)
+        problem = check_lossless(run, asked, references)
         run["lossless"] = problem is None
         if problem:
             failures.append(problem)
@@ -268,7 +302,7 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
                for m in DRAFTING}
     result = {
         "command": command, "argv": argv, "backend": args.backend, "checkpoint": str(path),
-        "embedded_tiny": not args.checkpoint, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "embedded_tiny": not args.checkpoint, "prompts": args.prompts, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
         "platform": platform.platform(), "cpu_count": os.cpu_count(), "compute_dtype": str(model.state_dtype),
         "max_tokens": args.tokens, "batches": args.batches, "repeats": args.repeats, "gamma": gamma, "prompt_lengths": lengths[:n_ref],
@@ -288,9 +322,10 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     per_cell = "one run per cell" if args.repeats == 1 else f"the fastest of {args.repeats} runs per cell"
     print("  - tokens/s = generated tokens / wall clock from submitting all requests to the last finishing")
     print(f"    ({per_cell}; model load excluded, prefill included); time to first token is from submission.")
-    print("  - the tiny checkpoint's drafter is randomly initialised, so real DSpark acceptance is near zero: the")
-    print("    'every step' row measures drafting + verification overhead, the 'adaptive' row how much of it the")
-    print("    engine avoids by stepping aside (a probe of drafting now and then, lib/engine/draft_policy.py).")
+    if not trained:
+        print("  - this checkpoint's drafter is not trained, so real DSpark acceptance is near zero: the 'every step'")
+        print("    row measures drafting + verification overhead, the 'adaptive' row how much of it the engine")
+        print("    avoids by stepping aside (a probe of drafting now and then, lib/engine/draft_policy.py).")
     print("  - 'dspark (oracle drafter)' proposes the target's own greedy continuation (from a plain reference run):")
     print("    every draft is accepted, an upper bound of what the machinery yields. The real drafter still runs")
     print("    for its cost; only its proposed tokens are replaced.")

@@ -65,17 +65,15 @@ def measure(model: Path, n: int, seed: int = 0, concurrency: int = 8, flags: tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lib.weights.shipped import shipped_tiny
-
     p = argparse.ArgumentParser(prog="python -m lib.bench.tool_calls", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny checkpoint)")
+    p.add_argument("--model", required=True, help="checkpoint directory (one written by dsv4gen train-tiny)")
     p.add_argument("--prompts", type=int, default=50, help="held-out tool-call questions (default 50)")
     p.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.concurrency < 1:
         p.error("--prompts and --concurrency must be at least 1")
-    result = measure(Path(args.model) if args.model else shipped_tiny(), args.prompts, args.seed, args.concurrency)
+    result = measure(Path(args.model), args.prompts, args.seed, args.concurrency)
     print(json.dumps(result, indent=2))
     print(f"{result['right_name_and_arguments']}/{args.prompts} tool-call prompts answered with the right call "
           f"through the openai client ({result['accuracy']:.0%}; {result['parsed_tool_calls']} parsed as one call)")

@@ -21,7 +21,7 @@ def add_parser(sub, backend_names: list[str], model_path, load_options) -> None:
 
     s = sub.add_parser("eval", help="held-out task accuracy through the engine (exact match), with and without DSpark")
     s.add_argument("--backend", default="cpu", choices=backend_names)
-    s.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny checkpoint)")
+    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
     s.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated tasks (default: all of {', '.join(TASKS)})")
     s.add_argument("--per-task", type=int, default=20, help="held-out questions per task (default 20)")
     s.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
@@ -56,14 +56,13 @@ def _run(args, model_path, load_options) -> int:
     from lib.evaluation import suite
     from lib.runtime.loaded_model import load_model
     from lib.text.tokenizer import Tokenizer
-    from lib.weights.shipped import shipped_tiny
     from spec.schedule import drafter_kind
 
     tasks = _tasks(args.tasks)
     for flag in ("per_task", "gap_windows", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    path = model_path(args) if args.model else shipped_tiny()
+    path = model_path(args)
     tok = Tokenizer.from_dir(path)
     stages = Stages(f"eval {args.backend}")
     with stages(f"loading {path}"):

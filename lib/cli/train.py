@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 def _run(args) -> int:
     from lib.training.loop import TrainConfig, train_tiny
-    from lib.weights.shipped import TRAINING_RECORD
+    from lib.weights.tiny_checkpoint import TRAINING_RECORD
 
     config = TrainConfig(seed=args.seed, steps=args.steps, drafter_steps=args.drafter_steps,
                          tokens_per_step=args.tokens_per_step, lr=args.lr, eval_per_task=args.eval_per_task)

@@ -17,7 +17,7 @@ from lib.evaluation import suite
 from lib.evaluation.tasks import TASKS
 from lib.runtime.loaded_model import load_model
 from lib.text.tokenizer import Tokenizer
-from lib.weights.shipped import TRAINING_RECORD
+from lib.weights.tiny_checkpoint import TRAINING_RECORD
 
 ACCURACY_POINTS = 3.0       # the largest accuracy difference from the reference, in points, on any task
 GAP_WINDOWS = 8             # retrieval: sliding windows between the asked record and the question (dsv4gen eval's)

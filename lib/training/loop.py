@@ -26,8 +26,7 @@ from lib.training.corpus import TrainingStream, task_tokenizer
 from lib.training.drafter import DrafterTrainer
 from lib.training.export import write_trained
 from lib.training.target import Schedule, TargetTrainer
-from lib.weights.shipped import TRAINING_RECORD
-from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT, make_tiny
+from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT, TRAINING_RECORD, make_tiny
 from spec.variants import variant_config
 
 # The reference ops compute in float64 for last-bit stability across batch shapes (backends/cpu/ops/basic.py);

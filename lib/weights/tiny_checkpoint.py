@@ -25,6 +25,7 @@ from spec.variants import variant_config
 
 TINY_VARIANT = "tiny"
 TINY_SEED = 0
+TRAINING_RECORD = "training.json"     # beside the weights of every checkpoint `dsv4gen train-tiny` writes
 # Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
 MAKER_VERSION = 4
 

@@ -45,3 +45,19 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
         for mode in ("dspark", "always", "oracle"):
             assert result["speedup"][mode][str(b)] > 0
         assert runs["always", b]["dspark_steps"] >= runs["dspark", b]["dspark_steps"] > 0   # adaptive drafts less
+
+
+def test_task_questions_run_every_cell_on_the_same_requests(tiny_ckpt, tmp_path, capsys):
+    rc = bench.main(["--backend", "cpu", "--checkpoint", str(tiny_ckpt), "--prompts", "tasks", "--tokens", "3",
+                     "--batches", "1,4", "--threads", "1", "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "held-out task-mix questions" in printed and "lossless: yes" in printed
+    result = json.loads((tmp_path / "engine-bench.json").read_text())
+    assert result["prompts"] == "tasks"
+    runs = {(r["mode"], r["batch"]): r for r in result["runs"]}
+    for r in runs.values():
+        assert r["requests"] == bench.N_PROMPTS and len(r["ttft_s"]) == bench.N_PROMPTS
+    # one work load per cell: the same requests give the same tokens at every concurrency
+    assert runs["plain", 1]["generated_tokens"] == runs["plain", 4]["generated_tokens"] == runs["oracle", 4]["generated_tokens"]
+    assert runs["plain", 1]["engine_steps"] > runs["plain", 4]["engine_steps"]

@@ -9,7 +9,7 @@ from lib.evaluation.tasks import examples
 from lib.porting import conformance_accuracy
 from lib.porting.conformance import Check
 from lib.runtime.loaded_model import load_model
-from lib.weights.shipped import TRAINING_RECORD
+from lib.weights.tiny_checkpoint import TRAINING_RECORD
 
 
 def _run(correct: int, total: int = 40) -> SuiteRun:

@@ -1,8 +1,7 @@
-"""The README's main job: `python -m serve` on the shipped trained tiny checkpoint, in a real subprocess, answers
+"""The README's main job: `python -m serve` on the embedded tiny checkpoint, in a real subprocess, answers
 the README's documented curl call; `dsv4gen serve` is the same server."""
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -20,9 +19,7 @@ import pytest
 
 import lib.launcher.ranks
 import lib.weights.tiny_checkpoint as tiny
-from lib.cli.main import _model_path as model_path
 from lib.cli.main import main as dsv4gen
-from lib.weights.shipped import SHIPPED_TINY, TRAINING_RECORD
 from serve.cli import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,42 +76,38 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
-def test_the_shipped_trained_checkpoint_is_served_without_model(monkeypatch):
-    class Loading(Exception):
-        pass
-
-    def launch(spec):                                 # stop where loading starts: the messages are written
-        raise Loading
-    monkeypatch.setattr(lib.launcher.ranks, "launch", launch)
-    out = io.StringIO()
-    with pytest.raises(Loading):
-        prepare(["--port", "0"], out=out)
-    lines = out.getvalue().splitlines()
-    assert lines[0] == f"using the trained tiny checkpoint {SHIPPED_TINY}"
-    assert lines[1].startswith(f"loading {SHIPPED_TINY} ")
-    assert (SHIPPED_TINY / TRAINING_RECORD).exists()
-
-
 def test_the_embedded_checkpoint_is_announced_while_made_and_not_claimed_later(tiny_ckpt, tmp_path, monkeypatch,
                                                                                 capsys):
-    """The tools' default (`dsv4gen run`, `conformance`, ... without --model): make-tiny's random checkpoint."""
     monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "cache"))
     made = []
 
     def make_tiny(path, overwrite=False):             # the real one takes seconds: the same bytes, copied
         made.append(path)
         return Path(shutil.copytree(tiny_ckpt, path, dirs_exist_ok=overwrite))
-    monkeypatch.setattr(tiny, "make_tiny", make_tiny)
 
-    args = argparse.Namespace(model=None)
-    path = model_path(args)
-    assert path == tmp_path / "cache" / made[0].name
-    lines = capsys.readouterr().err.splitlines()
+    class Loading(Exception):
+        pass
+
+    def launch(spec):                                 # stop where loading starts: the messages are written
+        raise Loading
+    monkeypatch.setattr(tiny, "make_tiny", make_tiny)
+    monkeypatch.setattr(lib.launcher.ranks, "launch", launch)
+
+    first, later = io.StringIO(), io.StringIO()
+    with pytest.raises(Loading):
+        prepare(["--port", "0"], out=first)
+    path = tmp_path / "cache" / made[0].name
+    lines = first.getvalue().splitlines()
     assert lines[0] == f"making the embedded tiny checkpoint in {path} (first use) ..."
     assert re.fullmatch(r"made the embedded tiny checkpoint: done in \d+\.\d s", lines[1]), lines
-    assert lines[2] == f"using the embedded tiny checkpoint {path}"
+    assert lines[2] == f"using the embedded tiny checkpoint {path}" and lines[3].startswith(f"loading {path} ")
 
-    assert model_path(args) == path and len(made) == 1
-    later = capsys.readouterr().err
-    assert later.splitlines() == [f"using the embedded tiny checkpoint {path}"]
-    assert not any(word in later for word in ("making", "made the", "made on", "first use"))
+    with pytest.raises(Loading):
+        prepare(["--port", "0"], out=later)
+    assert len(made) == 1
+    assert later.getvalue().splitlines()[:1] == [f"using the embedded tiny checkpoint {path}"]
+    assert not any(word in later.getvalue() for word in ("making", "made the", "made on", "first use"))
+
+    monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "other"))   # the other callers: embedded_tiny()
+    assert tiny.embedded_tiny().parent == tmp_path / "other"
+    assert "making the embedded tiny checkpoint in " in capsys.readouterr().err
