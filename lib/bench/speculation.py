@@ -86,15 +86,13 @@ def make_prompts(cfg, n: int = N_PROMPTS) -> list[list[int]]:
     return prompts
 
 
-def task_prompts(path: Path, cfg, n: int = N_PROMPTS) -> list[list[int]]:
+def task_prompts(tok, cfg, n: int = N_PROMPTS) -> list[list[int]]:
     """n held-out task-mix questions in the V4 chat encoding, the tasks taking turns."""
     from lib.evaluation import suite
     from lib.evaluation.tasks import TASKS
-    from lib.text.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(path)
     per_task = -(-n // len(TASKS))
-    exs = suite.heldout(TASKS, per_task, 0, gap_tokens=8 * cfg.sliding_window, count_tokens=lambda s: len(tok.encode(s)))
+    exs = suite.heldout_for(cfg, tok, TASKS, per_task)
     turns = [exs[t * per_task + i] for i in range(per_task) for t in range(len(TASKS))][:n]
     return [tok.encode(suite.prompt_text(ex)) for ex in turns]
 
@@ -242,8 +240,7 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     from tqdm import tqdm
     from lib.runtime.loaded_model import load_model
     from lib.text.tokenizer import Tokenizer
-    from lib.weights.tiny_checkpoint import TRAINING_RECORD
-    from lib.weights.tiny_checkpoint import embedded_tiny
+    from lib.weights.tiny_checkpoint import embedded_tiny, trained_on_task_mix
 
     started = time.perf_counter()
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -251,10 +248,10 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     t0 = time.perf_counter()
     model = load_model(path, args.backend)
     load_s = time.perf_counter() - t0
-    trained = (path / TRAINING_RECORD).exists()
+    trained = trained_on_task_mix(path)
     args.prompts = args.prompts or ("tasks" if trained else "tokens")
-    prompts = task_prompts(path, model.cfg) if args.prompts == "tasks" else make_prompts(model.cfg)
     tok = Tokenizer.from_dir(path) if args.prompts == "tasks" else None     # task questions end where they answer
+    prompts = task_prompts(tok, model.cfg) if tok is not None else make_prompts(model.cfg)
     lengths = [len(p) for p in prompts]
     print(f"checkpoint {path}{' (embedded tiny)' if not args.checkpoint else ''}; backend {args.backend} "
           f"(compute {str(model.state_dtype).removeprefix('torch.')}); torch {torch.__version__}; "

@@ -34,7 +34,7 @@ def _verdict(example: Example, message) -> tuple[bool, bool]:
     return True, got == expected_call(example)
 
 
-def measure(model: Path, n: int, seed: int = 0, concurrency: int = 8, flags: tuple[str, ...] = ()) -> dict:
+def measure(model: Path, n: int, seed: int = 0, concurrency: int = 8) -> dict:
     """Serve `model` in this process, ask `n` held-out tool-call questions at `concurrency` at a time."""
     import openai
 
@@ -42,7 +42,7 @@ def measure(model: Path, n: int, seed: int = 0, concurrency: int = 8, flags: tup
 
     tokenizer = Tokenizer.from_dir(model)
     exs = examples("tool_call", "heldout", n, seed)
-    prepared = prepare(["--model", str(model), "--port", "0", "--served-model-name", NAME, *flags], out=sys.stderr)
+    prepared = prepare(["--model", str(model), "--port", "0", "--served-model-name", NAME], out=sys.stderr)
     server, thread = run_in_thread(prepared)
     client = openai.OpenAI(base_url=prepared.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 

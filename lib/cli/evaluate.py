@@ -17,6 +17,7 @@ RUNS = {"both": ("plain", "dspark"), "dspark": ("dspark",), "none": ("plain",)}
 
 
 def add_parser(sub, backend_names: list[str], model_path, load_options) -> None:
+    from lib.evaluation.suite import GAP_WINDOWS
     from lib.evaluation.tasks import TASKS
 
     s = sub.add_parser("eval", help="held-out task accuracy through the engine (exact match), with and without DSpark")
@@ -27,8 +28,8 @@ def add_parser(sub, backend_names: list[str], model_path, load_options) -> None:
     s.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")
     s.add_argument("--speculative", choices=sorted(RUNS), default="both",
                    help="both (default, where the checkpoint has a DSpark drafter): a plain run and a DSpark run")
-    s.add_argument("--gap-windows", type=int, default=8,
-                   help="retrieval: sliding windows between the asked record and the question (default 8)")
+    s.add_argument("--gap-windows", type=int, default=GAP_WINDOWS,
+                   help=f"retrieval: sliding windows between the asked record and the question (default {GAP_WINDOWS})")
     s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoding together (default 8)")
     s.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="tokens per step; longer prompts are prefilled in chunks (default 256)")
@@ -73,7 +74,7 @@ def _run(args, model_path, load_options) -> int:
             raise ValueError(f"--speculative dspark: {path} has no DSpark drafter")
         wanted = ("plain",)
     gap = args.gap_windows * model.cfg.sliding_window
-    exs = suite.heldout(tasks, args.per_task, args.seed, gap_tokens=gap, count_tokens=lambda s: len(tok.encode(s)))
+    exs = suite.heldout_for(model.cfg, tok, tasks, args.per_task, args.seed, args.gap_windows)
     runs = {}
     for name in wanted:
         # a full block every step: every draft position's acceptance is measured (adaptive drafting would cut blocks)

@@ -14,6 +14,7 @@ from lib.evaluation.scoring import is_correct
 from lib.evaluation.tasks import Example, examples
 from lib.text.chat_encoding import encode_messages
 
+GAP_WINDOWS = 8           # retrieval: sliding windows between the asked record and the question (the issue's bar)
 SLACK_TOKENS = 8          # generated beyond the answer's own length before a reply counts as not ending
 
 
@@ -66,6 +67,14 @@ def heldout(tasks: tuple[str, ...], per_task: int, seed: int, *, gap_tokens: int
     """The held-out questions of `tasks`, `per_task` of each."""
     return [ex for task in tasks for ex in examples(task, "heldout", per_task, seed, gap_tokens=gap_tokens,
                                                     count_tokens=count_tokens)]
+
+
+def heldout_for(cfg, tokenizer, tasks: tuple[str, ...], per_task: int, seed: int = 0,
+                gap_windows: int = GAP_WINDOWS) -> list[Example]:
+    """`heldout` for a model: retrieval's gap is `gap_windows` of its sliding windows, counted in its tokenizer's
+    tokens (`cfg`: the model's config)."""
+    return heldout(tasks, per_task, seed, gap_tokens=gap_windows * cfg.sliding_window,
+                   count_tokens=lambda s: len(tokenizer.encode(s)))
 
 
 def run(engine, tokenizer, exs: list[Example], progress=None) -> SuiteRun:

@@ -10,29 +10,25 @@ writes training.json beside the weights).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from lib.engine.llm_engine import Engine, EngineConfig
 from lib.evaluation import suite
 from lib.evaluation.tasks import TASKS
 from lib.runtime.loaded_model import load_model
 from lib.text.tokenizer import Tokenizer
-from lib.weights.tiny_checkpoint import TRAINING_RECORD
+from lib.weights.tiny_checkpoint import trained_on_task_mix
 
 ACCURACY_POINTS = 3.0       # the largest accuracy difference from the reference, in points, on any task
-GAP_WINDOWS = 8             # retrieval: sliding windows between the asked record and the question (dsv4gen eval's)
 
 
 def default_per_task(model_path) -> int:
     """Held-out questions per task when the command line does not say: on a trained checkpoint 40 (one answer is
     2.5 points, so a single flipped answer passes and two do not), else none."""
-    return 40 if (Path(model_path) / TRAINING_RECORD).exists() else 0
+    return 40 if trained_on_task_mix(model_path) else 0
 
 
 def measured(model, tokenizer: Tokenizer, per_task: int, seed: int = 0) -> suite.SuiteRun:
     """The held-out suite through `model`'s engine (plain greedy decoding)."""
-    exs = suite.heldout(TASKS, per_task, seed, gap_tokens=GAP_WINDOWS * model.cfg.sliding_window,
-                        count_tokens=lambda s: len(tokenizer.encode(s)))
+    exs = suite.heldout_for(model.cfg, tokenizer, TASKS, per_task, seed)
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, speculative="none"),
                     tokenizer=tokenizer)
     return suite.run(engine, tokenizer, exs)

@@ -135,8 +135,7 @@ def _score(path: Path, per_task: int, log) -> dict:
     from lib.text.tokenizer import Tokenizer
 
     model, tok = load_model(path, "cpu"), Tokenizer.from_dir(path)
-    exs = suite.heldout(TASKS, per_task, 0, gap_tokens=8 * model.cfg.sliding_window,
-                        count_tokens=lambda s: len(tok.encode(s)))
+    exs = suite.heldout_for(model.cfg, tok, TASKS, per_task)
     runs = {}
     for name in ("plain", "dspark"):
         engine = Engine(model, EngineConfig(max_num_seqs=16, speculative="none" if name == "plain" else "dspark",

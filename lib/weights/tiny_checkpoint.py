@@ -138,6 +138,11 @@ def maker_hash(key: str) -> str:
     return h.hexdigest()[:16]
 
 
+def trained_on_task_mix(path) -> bool:
+    """Whether `dsv4gen train-tiny` wrote the checkpoint at `path` (its record lies beside the weights)."""
+    return (Path(path) / TRAINING_RECORD).exists()
+
+
 def embedded_tiny(out=None, preset: str = "tiny") -> Path:
     """The embedded tiny checkpoint (of `preset`): made deterministically on first use (saying so on
     `out`, a text stream, default stderr: it takes a while), then reused silently."""
