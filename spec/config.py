@@ -183,9 +183,10 @@ def config_from_dict(data: dict, where: str, lines: dict | None = None,
     return check_config(cfg, where, lines, context), unknown
 
 
-def load_config_json(path: Path | str) -> tuple[ModelConfig, list[str]]:
+def load_config_json(path: Path | str, replace: dict | None = None) -> tuple[ModelConfig, list[str]]:
     """Read a checkpoint's `config.json` (official keys); unknown keys are returned, not fatal,
-    because real checkpoints may carry extra bookkeeping keys the model does not depend on."""
+    because real checkpoints may carry extra bookkeeping keys the model does not depend on.
+    `replace` sets keys whatever the file says (a ModelSlim export drops `quantization_config`)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -195,7 +196,7 @@ def load_config_json(path: Path | str) -> tuple[ModelConfig, list[str]]:
         raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a JSON object at the top level")
-    return config_from_dict(data, str(path), _json_key_lines(path))
+    return config_from_dict({**data, **(replace or {})}, str(path), _json_key_lines(path))
 
 
 def _json_key_lines(path: Path) -> dict:

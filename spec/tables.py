@@ -28,7 +28,7 @@ class DType(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class Part(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    role: Literal["data", "weight", "scale"]
+    role: Literal["data", "weight", "scale", "weight_scale", "weight_offset", "scale_bias"]
     dtype: DTypeName
     shape: tuple[str | int, ...] | None = None   # None: the logical shape itself
     suffix: str | None = None                     # "scale": key `X.weight` -> `X.scale`
@@ -101,7 +101,7 @@ class Stored(NamedTuple):
     key: str
     dtype: DTypeName
     shape: tuple[int, ...]
-    role: str                   # data | weight | scale
+    role: str                   # data | weight | scale (official); weight_scale | weight_offset | scale_bias (ModelSlim)
 
 
 class Logical(NamedTuple):
@@ -225,3 +225,11 @@ def stored_tensors(cfg: ModelConfig) -> dict[str, Stored]:
                 raise SpecError(f"tensors.yaml: key {part.key} is produced by two entries")
             out[part.key] = part
     return out
+
+
+def with_format(logical: Logical, fmt_name: str, cfg: ModelConfig) -> Logical:
+    """The same logical tensor stored in another format (a ModelSlim export's label)."""
+    fmt = load_quant().formats[fmt_name]
+    if fmt.logical == "matrix" and len(logical.shape) != 2:
+        raise SpecError(f"{logical.key}: format '{fmt_name}' stores matrices, the tensor has shape {list(logical.shape)}")
+    return logical._replace(format=fmt_name, parts=stored_parts(logical.key, fmt, logical.shape, cfg))

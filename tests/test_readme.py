@@ -56,7 +56,8 @@ COMMANDS: list[tuple[str, str | None]] = [
     (r"dsv4gen run .*--(tp|ep|tensor-parallel-size|expert-parallel-size) ",
      "spawns one process per rank: tests/launcher/test_parallel.py"),
     (r"dsv4gen run .*--backend ", "a device emulation, tens of seconds: tests/engine/test_engine.py, tests/porting/test_conformance.py"),
-    (r"dsv4gen convert ", "converts every routed expert: tests/weights/test_preconvert.py"),
+    (r"dsv4gen convert ", "converts every routed expert or the whole checkpoint: tests/weights/test_preconvert.py, "
+                          "tests/weights/test_msmodelslim.py"),
     (r"dsv4gen capture ", "exports the step per bucket (about a minute per backend): tests/runtime/test_step_graph.py"),
     (r"dsv4gen eval ", "runs held-out questions through the engine twice (about a minute): tests/evaluation/test_eval_command.py"),
     (r"dsv4gen train-tiny ", "trains for most of an hour: tests/training/test_train_tiny.py runs a few steps"),

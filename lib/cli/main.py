@@ -24,7 +24,8 @@ def _cmd_make_tiny(args) -> int:
 
     with Stages("make-tiny")(f"writing a random checkpoint to {args.out} ({args.shards} shards)"):
         out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
-                        overwrite=args.force, progress=True, preset=args.preset)
+                        overwrite=args.force, progress=True, preset=args.preset,
+                        variant=args.variant)
     print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
     return 0
 
@@ -84,9 +85,26 @@ def _cmd_convert(args) -> int:
     from lib.weights.expert_conversion import convert
 
     model = _model_path(args)
+    if args.format == "msmodelslim":
+        return _convert_msmodelslim(args, model)
+    if args.backend is None:
+        raise ValueError("--format preconverted needs --backend (the backend whose runtime format the experts are converted to)")
     with Stages(f"convert {args.backend}")(f"converting the routed experts of {model} for TP={args.tp} EP={args.ep}"):
         out = convert(model, args.backend, args.out, tp=args.tp, ep=args.ep, overwrite=args.force, progress=True)
     print(f"wrote {args.backend} routed experts for TP={args.tp} EP={args.ep} to {out}")
+    return 0
+
+
+def _convert_msmodelslim(args, model) -> int:
+    from lib.weights import msmodelslim_writer
+
+    if args.backend is not None or args.tp != 1 or args.ep != 1:
+        raise ValueError("--format msmodelslim writes one checkpoint for every backend "
+                         "and parallel layout; drop --backend / --tp / --ep")
+    out = Path(args.out) if args.out else msmodelslim_writer.default_out(model, args.quant_type)
+    with Stages("convert msmodelslim")(f"writing {model} as a ModelSlim {args.quant_type.upper()} checkpoint"):
+        msmodelslim_writer.convert(model, out, args.quant_type, overwrite=args.force, progress=True)
+    print(f"wrote a ModelSlim {args.quant_type.upper()} checkpoint of {model} to {out}")
     return 0
 
 
@@ -200,6 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--preset", default="tiny", help="tiny (default) or tiny-long (window 128, compress ratios 4 / 128)")
+    s.add_argument("--variant", default="tiny",
+                   help="model variant at tiny widths: tiny (default; Flash's schedule) or pro-tiny (Pro's)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
     s.add_argument("--shards", type=int, default=4)
     s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
@@ -215,13 +235,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="fail if checked-in generated code is stale")
     s.set_defaults(func=_cmd_build)
 
-    s = sub.add_parser("convert", help="convert routed experts once for a backend's preconverted expert mode")
+    s = sub.add_parser("convert", help="convert routed experts once for a backend's preconverted expert mode, "
+                                       "or write an Ascend ModelSlim W8A8 / W4A8 checkpoint")
     s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
-    s.add_argument("--backend", required=True, choices=[b for b in backend_names() if b != "cpu"])
+    s.add_argument("--format", choices=["preconverted", "msmodelslim"], default="preconverted",
+                   help="preconverted: a backend's routed experts (needs --backend); msmodelslim: the whole "
+                        "checkpoint as ModelSlim's W8A8_DYNAMIC / W4A8_DYNAMIC export, which vllm-ascend loads")
+    s.add_argument("--quant-type", choices=["w8a8", "w4a8"], default="w8a8",
+                   help="msmodelslim: w8a8 (every quantised linear int8) or w4a8 (routed experts int4)")
+    s.add_argument("--backend", choices=[b for b in backend_names() if b != "cpu"])
     s.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size it is loaded with (checked and recorded; experts are not TP-split)")
     s.add_argument("--ep", type=int, default=1, help="expert-parallel size: one file of routed experts per EP rank")
-    s.add_argument("--out", help="output folder (default: <model>/converted-<backend>-tp<T>-ep<E>)")
+    s.add_argument("--out", help="output folder (default: <model>/converted-<backend>-tp<T>-ep<E>, "
+                                 "msmodelslim: <model>-msmodelslim-<quant type> beside it)")
     s.add_argument("--force", action="store_true", help="replace an existing output folder")
     s.set_defaults(func=_cmd_convert)
 

@@ -1,7 +1,8 @@
 """Reference decoding of a logical tensor from its stored parts to fp32 (or int64 for tables).
 
 quant.yaml names one of these per storage format; each takes the parts by role (`data`, or
-`weight` + `scale`) and the config. Backends with other runtime formats convert from the same
+`weight` + `scale`, or ModelSlim's `weight` + `weight_scale` + `weight_offset` [+ `scale_bias`])
+and the config. Backends with other runtime formats convert from the same
 parts in their generated loaders; this is the meaning those conversions are tested against.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import torch
 
 from lib.quant import bit_codecs as codecs
+from lib.quant import int_codecs
 from spec.config import ModelConfig
 
 
@@ -29,6 +31,15 @@ def decode_fp8_block(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.
 
 def decode_mxfp4(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     return codecs.dequant_fp4_expert(parts["weight"], parts["scale"], group=32)
+
+
+def decode_w8a8_dynamic(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    return (parts["weight"].float() - parts["weight_offset"].float()) * parts["weight_scale"].float()
+
+
+def decode_w4a8_dynamic(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    q = int_codecs.unpack_int4_rows(parts["weight"])
+    return (q.float() - parts["weight_offset"].float()) * parts["weight_scale"].float()
 
 
 def resolve(ref: str):
@@ -71,6 +82,25 @@ def encode_fp8_block(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tenso
 def encode_mxfp4(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     weight, scale = codecs.quant_fp4_expert(x.float(), group=32)
     return {"weight": weight, "scale": scale}
+
+
+def encode_w8a8_dynamic(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    q, scale = int_codecs.quant_sym_rows(x.float())
+    return {"weight": q, "weight_scale": scale[:, None], "weight_offset": torch.zeros_like(scale[:, None])}
+
+
+def _encode_w4a8(x: torch.Tensor, chunks: int) -> dict[str, torch.Tensor]:
+    q, scale = int_codecs.quant_sym_rows(x.float(), qmax=7)
+    return {"weight": int_codecs.pack_int4_rows(q), "weight_scale": scale[:, None],
+            "weight_offset": torch.zeros_like(scale[:, None]), "scale_bias": int_codecs.scale_bias(q, scale, chunks)}
+
+
+def encode_w4a8_dynamic(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return _encode_w4a8(x, 1)
+
+
+def encode_w4a8_dynamic_down(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return _encode_w4a8(x, 16)
 
 
 def encode(format_name: str, x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:

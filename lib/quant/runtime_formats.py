@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from lib.quant import bit_codecs as codecs
+from lib.quant import int_codecs
 
 from lib.quant import reference_formats as formats
 from spec.config import ModelConfig
@@ -34,10 +35,7 @@ class PackedFP4(NamedTuple):
 
 def quantize_rows(w: torch.Tensor, qmax: int = 127) -> W8A8:
     """Per-output-row symmetric quantisation of w [..., N, K] (fp32) to int8 (round half to even)."""
-    amax = w.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))     # an all-zero row keeps scale 1
-    q = torch.round(w / scale.unsqueeze(-1)).clamp(-qmax, qmax).to(torch.int8)
-    return W8A8(q, scale.float())
+    return W8A8(*int_codecs.quant_sym_rows(w, qmax))
 
 
 def packed_fp4_to_w8a8(p: PackedFP4, quantize=quantize_rows) -> W8A8:
@@ -68,8 +66,15 @@ def to_index_i32(storage: str, parts: dict, cfg: ModelConfig) -> torch.Tensor:
     return formats.decode(storage, parts, cfg).to(torch.int32).contiguous()
 
 
+def _symmetric(parts: dict) -> bool:
+    return not bool(parts["weight_offset"].any())
+
+
 def to_w8a8_row(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize_rows) -> W8A8:
-    """FP8 block or MXFP4 -> exact fp32 -> int8 per output row (L01: no FP8/FP4 execution)."""
+    """FP8 block or MXFP4 -> exact fp32 -> int8 per output row (L01: no FP8/FP4 execution); a ModelSlim
+    W8A8_DYNAMIC weight is already that record and is taken as stored, without a pass through floats."""
+    if storage == "w8a8_dynamic" and _symmetric(parts):
+        return W8A8(parts["weight"].contiguous(), parts["weight_scale"].reshape(-1).float().contiguous())
     return quantize(formats.decode(storage, parts, cfg).float())
 
 
@@ -85,7 +90,8 @@ def to_w8a8_group(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize
 
 def to_packed_fp4(storage: str, parts: dict, cfg: ModelConfig) -> PackedFP4:
     if storage != "mxfp4":
-        raise ValueError(f"packed FP4 runtime format needs MXFP4 storage, got '{storage}'")
+        raise ValueError(f"packed FP4 runtime format (expert mode streaming) needs MXFP4 storage, got '{storage}': "
+                         f"hold these experts resident instead (--expert-mode resident)")
     return PackedFP4(parts["weight"].contiguous(), codecs.as_bits(parts["scale"]).contiguous())
 
 
@@ -100,9 +106,12 @@ def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig, quantize=quanti
     """Any storage -> exact fp32 [N, K] -> int4 per output channel (scale amax/7), packed [K, N/8]."""
     from lib.emulation.npu_ops import pack_int4
 
-    w = formats.decode(storage, parts, cfg).float()
-    q = quantize(w, qmax=7)
-    return W4A8(pack_int4(q.qweight.transpose(-1, -2).contiguous()), q.scale)
+    if storage in ("w4a8_dynamic", "w4a8_dynamic_down") and _symmetric(parts):
+        # a ModelSlim W4A8_DYNAMIC weight: the same int4 codes and scales, repacked along K-major words
+        q = W8A8(int_codecs.unpack_int4_rows(parts["weight"]), parts["weight_scale"].reshape(-1).float())
+    else:
+        q = quantize(formats.decode(storage, parts, cfg).float(), qmax=7)
+    return W4A8(pack_int4(q.qweight.transpose(-1, -2).contiguous()), q.scale.contiguous())
 
 
 # runtime formats held as records (what `dsv4gen convert` stores field by field)

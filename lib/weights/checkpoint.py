@@ -1,4 +1,5 @@
-"""Lazy, validating reader of official-format DeepSeek-V4 checkpoints (DSV4-REFERENCE §4).
+"""Lazy, validating reader of DeepSeek-V4 checkpoints: the official format (DSV4-REFERENCE §4) and
+Ascend ModelSlim exports (lib/weights/msmodelslim.py says how those differ).
 
 Opening a checkpoint reads `config.json`, the index and every shard's safetensors header (not the
 data), and checks each tensor against the spec's tensor table: missing, unexpected, mis-shaped,
@@ -18,8 +19,10 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from lib.weights import msmodelslim as modelslim
 from lib.weights.tp_slices import TPSlice
 from spec.config import ModelConfig, load_config_json
+from spec.msmodelslim import load_msmodelslim
 from spec.tables import Logical, Stored, expand, load_quant
 from spec.yamlio import SpecError
 
@@ -105,19 +108,28 @@ class Checkpoint:
         self.root = Path(root)
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: checkpoint directory not found")
+        # "official" (FP8 / FP4, DSV4-REFERENCE §4) or "msmodelslim" (W8A8 / W4A8, lib/weights/msmodelslim.py)
+        self.layout = "msmodelslim" if modelslim.is_modelslim(self.root) else "official"
+        replace = modelslim.config_replacements() if self.layout == "msmodelslim" else None
         try:
-            self.config, self.unknown_config_keys = load_config_json(self.root / "config.json")
+            self.config, self.unknown_config_keys = load_config_json(self.root / "config.json", replace)
         except SpecError as err:   # a bad config.json is a broken checkpoint, like a bad shard
             raise CheckpointError(str(err)) from None
         self.logical: tuple[Logical, ...] = expand(self.config)
+        problems: list[str] = []
+        if self.layout == "msmodelslim":
+            slim = modelslim.read_layout(self.root, CheckpointError)
+            self.index_name, self.quant_type, weight_map = load_msmodelslim().files.index, slim.model_quant_type, slim.weight_map
+            self.logical, problems = modelslim.relabel(self.logical, slim, self.config)
+        else:
+            self.index_name, self.quant_type, weight_map = INDEX_NAME, "fp8", read_weight_map(self.root)
         self.expected: dict[str, Stored] = {p.key: p for t in self.logical for p in t.parts}
-        weight_map = read_weight_map(self.root)
         self.headers: dict[str, HeaderEntry] = {}
         for shard in sorted(set(weight_map.values())):
             for key, entry in read_header(self.root / shard).items():
                 if weight_map.get(key) == shard:
                     self.headers[key] = entry
-        problems = self._problems(weight_map)
+        problems = self._problems(weight_map) + problems
         if problems:
             raise CheckpointError("\n".join(problems))
         self._handles: dict[str, object] = {}
@@ -127,7 +139,7 @@ class Checkpoint:
         out = []
         for key, exp in self.expected.items():
             if key not in weight_map:
-                out.append(f"{INDEX_NAME}: {key}: missing (expected {exp.dtype} {list(exp.shape)})")
+                out.append(f"{self.index_name}: {key}: missing (expected {exp.dtype} {list(exp.shape)})")
                 continue
             found = self.headers.get(key)
             if found is None:

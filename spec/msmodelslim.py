@@ -1,0 +1,93 @@
+"""Typed loading of `msmodelslim.yaml`: the Ascend ModelSlim checkpoint format as data, and the
+label each tensor of a config takes under a label map or a recipe.
+
+The checkpoint reader and the converter both ask this module which storage format (quant.yaml) a
+tensor has under a ModelSlim label, and which labels a tensor may carry at all.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from spec.tables import SPEC_DIR, Logical, load_quant, load_tensor_table
+from spec.yamlio import SpecError, decode, load_yaml
+
+Label = Literal["FLOAT", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
+
+
+class Files(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    description: str
+    index: str
+    shard: str
+    part_size_gib: float
+    version: str
+    config_drops: tuple[str, ...]
+
+    def shard_name(self, index: int, count: int) -> str:
+        return self.shard.format(index=index, count=count)
+
+
+class LabelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    doc: str
+    format: str | None = None                   # storage format of a quantised weight
+    down_format: str | None = None              # ... of a down projection
+    formats: dict[str, str] = {}                # FLOAT: official format -> the format it is written in
+
+
+class Recipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model_quant_type: str
+    classes: dict[str, Label]                   # tensor class -> label; unnamed classes are FLOAT
+
+
+class ModelSlimSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    files: Files
+    labels: dict[Label, LabelSpec]
+    down_projections: tuple[str, ...]
+    quantisable: tuple[str, ...]
+    recipes: dict[str, Recipe]
+
+
+@functools.lru_cache(maxsize=None)
+def load_msmodelslim(path: Path = SPEC_DIR / "msmodelslim.yaml") -> ModelSlimSpec:
+    data, lines = load_yaml(path)
+    spec = decode(data, ModelSlimSpec, str(path), lines)
+    formats = load_quant().formats
+    classes = load_tensor_table().classes
+    named = [f for lab in spec.labels.values() for f in (lab.format, lab.down_format, *lab.formats.values()) if f]
+    for fmt in named:
+        if fmt not in formats:
+            raise SpecError(f"{path}: names storage format '{fmt}', which quant.yaml does not define")
+    for cls in (*spec.quantisable, *(c for r in spec.recipes.values() for c in r.classes)):
+        if cls not in classes:
+            raise SpecError(f"{path}: names tensor class '{cls}', which tensors.yaml does not define")
+    return spec
+
+
+def allowed_labels(logical: Logical) -> tuple[str, ...]:
+    """The labels a ModelSlim export may give this tensor."""
+    spec = load_msmodelslim()
+    if logical.entry.tensor_class in spec.quantisable and len(logical.shape) == 2:
+        return tuple(spec.labels)
+    return ("FLOAT",)
+
+
+def format_for(logical: Logical, label: str) -> str:
+    """The storage format of `logical` (as the official expansion resolved it) under `label`."""
+    spec = load_msmodelslim()
+    lab = spec.labels[label]
+    if label == "FLOAT":
+        return lab.formats[logical.format]
+    if logical.entry.key in spec.down_projections and lab.down_format:
+        return lab.down_format
+    return lab.format
+
+
+def recipe_label(logical: Logical, recipe: str) -> str:
+    """The label `dsv4gen convert --format msmodelslim --quant-type <recipe>` gives this tensor."""
+    spec = load_msmodelslim()
+    if recipe not in spec.recipes:
+        raise SpecError(f"unknown ModelSlim quant type '{recipe}' (accepted: {', '.join(spec.recipes)})")
+    return spec.recipes[recipe].classes.get(logical.entry.tensor_class, "FLOAT")
