@@ -35,8 +35,9 @@ def check_drafter(model: Model) -> None:
         raise ValueError(f"{model.root}: the checkpoint has no drafter (compress_ratios lists only the "
                          f"{model.cfg.num_hidden_layers} backbone layers); use --speculative none")
     if kind == "mtp":
-        raise ValueError(f"{model.root}: this is a preview checkpoint with a classic MTP-1 layer (mtp.0); only "
-                         "DSpark drafting (DeepSeek-V4-Flash-0731) is supported, use --speculative none")
+        raise ValueError(f"{model.root}: the checkpoint's drafter is a classic MTP-1 layer (mtp.0, as in the "
+                         "Flash preview and Pro); only DSpark drafting (DeepSeek-V4-Flash-0731) is supported, "
+                         "use --speculative none")
 
 
 def block_size(model: Model) -> int:

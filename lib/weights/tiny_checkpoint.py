@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from lib.quant import reference_formats as formats
+from lib.weights.checkpoint import summary
 from lib.weights.checkpoint_writer import write_checkpoint
 from spec.config import ModelConfig
 from spec.tables import SPEC_DIR, Logical, expand
@@ -25,6 +26,7 @@ from spec.variants import variant_config
 
 TINY_VARIANT = "tiny"
 TINY_SEED = 0
+MAX_BYTES = 1 << 30            # make-tiny's limit on the checkpoint it writes
 TRAINING_RECORD = "training.json"     # beside the weights of every checkpoint `dsv4gen train-tiny` writes
 # Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
 MAKER_VERSION = 4
@@ -108,11 +110,20 @@ def side_files(cfg: ModelConfig, tokenizer=None) -> dict[str, str]:
 
 
 def make_tiny(out: Path | str, seed: int = TINY_SEED, overrides: dict | None = None, shards: int = 4,
-              overwrite: bool = False, progress: bool = False, preset: str = "tiny") -> Path:
-    """A random checkpoint of the `tiny` variant with `preset`'s overrides, then `overrides`."""
+              overwrite: bool = False, progress: bool = False, preset: str = "tiny",
+              variant: str = TINY_VARIANT) -> Path:
+    """A random checkpoint of `variant` (default `tiny`) with `preset`'s overrides, then `overrides`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny preset '{preset}' (accepted: {', '.join(PRESETS)})")
-    cfg = variant_config(TINY_VARIANT, {**PRESETS[preset], **(overrides or {})})
+    if PRESETS[preset] and variant != TINY_VARIANT:
+        # a preset restates keys of the tiny variant's schedule; on another variant it would mix two
+        raise ValueError(f"preset '{preset}' overrides the '{TINY_VARIANT}' variant, not '{variant}'")
+    cfg = variant_config(variant, {**PRESETS[preset], **(overrides or {})})
+    size = summary(cfg)["all"]["bytes"]
+    if size > MAX_BYTES:
+        # every tensor is drawn in memory first: a real-size variant would exhaust it hours later
+        raise ValueError(f"variant '{variant}' makes a {size:,}-byte checkpoint; make-tiny writes at most "
+                         f"{MAX_BYTES:,} (pick a tiny variant, e.g. tiny or pro-tiny)")
     out = Path(out)
     # refuse cheap-to-detect problems before spending time on the weights
     if out.exists() and any(out.iterdir()) and not overwrite:

@@ -47,7 +47,7 @@ def test_every_spec_file_loads():
 
 
 def test_variants_listed():
-    assert set(variants()) == {"flash-0731", "flash-preview", "tiny"}
+    assert set(variants()) == {"flash-0731", "flash-preview", "tiny", "pro", "pro-tiny"}
     assert all(doc for _, doc in variants().values())
 
 
@@ -95,6 +95,30 @@ def test_schedule_tiny_has_every_kind():
     assert drafter_kind(variant_config("tiny")) == "dspark"
 
 
+def test_schedule_pro():
+    cfg = variant_config("pro")
+    layers = backbone(cfg)
+    assert len(layers) == 61
+    # HCA, HCA, then CSA / HCA alternating, ending on CSA: 31 HCA, 30 CSA, no sliding-only layer
+    assert [lay.index for lay in layers if lay.attention == "hca"] == [0, 1, *range(3, 61, 2)]
+    assert [lay.index for lay in layers if lay.attention == "csa"] == list(range(2, 61, 2))
+    assert not [lay for lay in layers if lay.attention == "swa"]
+    assert {lay.ratio for lay in layers if lay.attention == "hca"} == {128}
+    assert [lay.index for lay in layers if lay.routing == "hash"] == [0, 1, 2]
+    assert drafter_kind(cfg) == "mtp"
+    (stage,) = drafter(cfg)
+    assert stage.prefix == "mtp.0" and stage.attention == "swa" and stage.routing == "learned"
+
+
+def test_schedule_pro_tiny_keeps_pro_kinds():
+    layers = backbone(variant_config("pro-tiny"))
+    assert [lay.attention for lay in layers] == ["hca", "hca", "csa", "hca", "csa"]
+    # both attention kinds under each routing kind, as in Pro
+    assert {(lay.attention, lay.routing) for lay in layers} == {
+        ("hca", "hash"), ("csa", "hash"), ("hca", "learned"), ("csa", "learned")}
+    assert drafter_kind(variant_config("pro-tiny")) == "mtp"
+
+
 # ---------------------------------------------------------------- inventory (DSV4-REFERENCE §4.1)
 
 def inventory(capsys, *args):
@@ -119,6 +143,19 @@ def test_inventory_flash_preview_json(capsys):
                                     "I8": 33_792}
 
 
+def test_inventory_pro_json(capsys):
+    # Published: huggingface deepseek-ai/DeepSeek-V4-Pro model.safetensors.index.json has 145,116
+    # weight_map entries and metadata.total_size 864,704,792,696 in 64 shards (summary of that file in
+    # hebo1221/nano-deepseek-v4 references/DeepSeek-V4-Pro-index.summary.json, code-index id
+    # 66856996113). Both are checked here. The mtp.* split and the dtype counts are the spec's own,
+    # not checked against a published source.
+    got = json.loads(inventory(capsys, "--variant", "pro", "--json"))
+    assert (got["all"]["tensors"], got["all"]["bytes"]) == (145_116, 864_704_792_696)
+    assert (got["mtp"]["tensors"], got["mtp"]["bytes"]) == (2_343, 13_956_587_692)
+    assert got["all"]["dtypes"] == {"BF16": 619, "F32": 590, "F8_E4M3": 528, "F8_E8M0": 71_952, "I64": 3,
+                                    "I8": 71_424}
+
+
 def test_inventory_human_readable(capsys):
     assert inventory(capsys, "--variant", "flash-0731").splitlines() == [
         "flash-0731: 72,317 tensors, 166,878,536,440 bytes",
@@ -131,7 +168,7 @@ def test_inventory_unknown_variant(capsys):
     assert cli(["inventory", "--variant", "flash-9999"]) == 2
     assert capsys.readouterr().err == (
         "dsv4gen inventory: error: unknown model variant 'flash-9999' "
-        "(accepted: flash-0731, flash-preview, tiny)\n")
+        "(accepted: flash-0731, flash-preview, pro, pro-tiny, tiny)\n")
 
 
 # ---------------------------------------------------------------- shapes and TP (DSV4-REFERENCE §4.3-4.4)

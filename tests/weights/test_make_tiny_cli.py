@@ -43,6 +43,34 @@ def test_set_overrides_through_the_cli(tmp_path, capsys):
     assert model.params.layers[3]["ffn.experts.w1.weight"].shape == (E, MOE, 128)
 
 
+def test_pro_tiny_variant_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "pro"
+    assert main(["make-tiny", "--out", str(out), "--variant", "pro-tiny"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["compress_ratios"] == [8, 8, 4, 8, 4, 0] and "dspark_block_size" not in raw
+    _, tensors = read_layout(out)
+    # layer 0 is HCA (a compressor, no indexer), layer 2 CSA; the drafter is the one MTP layer
+    assert tensors["layers.0.attn.compressor.ape"][1:3] == ("F32", (8, HEAD_DIM))
+    assert not [k for k in tensors if k.startswith("layers.0.attn.indexer.")]
+    assert "layers.2.attn.indexer.weights_proj.weight" in tensors
+    assert {b for b in map(block_of, tensors) if b and b.startswith("mtp.")} == {"mtp.0"}
+    model = load_model(out)
+    assert (len(model.params.layers), len(model.params.drafter)) == (5, 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "pro"], "variant 'pro' makes a 864,704,792,696-byte checkpoint; make-tiny writes at most "
+                           "1,073,741,824 (pick a tiny variant, e.g. tiny or pro-tiny)"),
+    (["--variant", "pro-tiny", "--preset", "tiny-long"], "preset 'tiny-long' overrides the 'tiny' variant, "
+                                                         "not 'pro-tiny'"),
+])
+def test_refuses_a_real_size_variant_or_a_preset_of_another(tmp_path, capsys, argv, message):
+    out = tmp_path / "refused"
+    assert main(["make-tiny", "--out", str(out), *argv]) == 2
+    assert messages(capsys.readouterr().err) == [f"dsv4gen make-tiny: error: {message}"]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("sets, fragments", [
     # 9 compress_ratios with 4 layers leaves [4, 8, 0, 0, 0] as drafter entries
     (["num_hidden_layers=4"], ["drafter-stage entries of compress_ratios must be 0",
