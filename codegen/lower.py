@@ -304,10 +304,13 @@ class _Lowerer:
         return ref
 
     def stage_keys(self, pre: str) -> set[str]:
-        """Block keys of the first or last DSpark stage of a three-stage drafter."""
+        """Block keys of the first or last stage of a drafter: a three-stage DSpark drafter's, or the
+        one-layer MTP drafter's (its only stage is both)."""
         stage = 0 if pre == "first." else 2
-        layer = LayerInfo(stage, f"mtp.{stage}", "dspark", "dspark", 0, "learned", "main", stage, stage == 2)
-        return {_runtime_key(e.key) for e in self.table.entries if e.scope == "block" and e.when.matches(layer)}
+        layers = (LayerInfo(stage, f"mtp.{stage}", "dspark", "dspark", 0, "learned", "main", stage, stage == 2),
+                  LayerInfo(0, "mtp.0", "mtp", "swa", 0, "learned", "main", 0, True))
+        return {_runtime_key(e.key) for e in self.table.entries
+                if e.scope == "block" and any(e.when.matches(layer) for layer in layers)}
 
     def callee(self, program: str) -> str:
         axis = self.lg.graph.programs[program].variants

@@ -3,8 +3,8 @@
     ATEN_CPU_CAPABILITY=default python -m tests.engine_invariance --backend ascend310p
 
 Greedy tokens of several prompts must be identical (token for token) whether each request runs
-alone or batched with others (batch invariance), with DSpark drafting or without (lossless
-speculation), whatever the prefill chunk size (L24), and, with --graph-mode, whether the decode
+alone or batched with others (batch invariance), with DSpark drafting or without, with a Pro-shaped
+checkpoint's MTP drafter (one or three chained drafts) or without (lossless speculation), whatever the prefill chunk size (L24), and, with --graph-mode, whether the decode
 steps replay captured graphs (lib/engine/graph_mode.py) or run eagerly. The device backends run on their CPU
 emulation; lib/emulation/invariant_matmul.py explains why that emulation must be batch invariant, and the test
 pins ATen's scalar-consistent kernels because the vectorised ones compute a tensor's last
@@ -16,19 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from lib.engine.llm_engine import Engine, EngineConfig
 from lib.runtime.loaded_model import load_model
 from lib.engine.sampling import SamplingParams
-from lib.weights.tiny_checkpoint import embedded_tiny
+from lib.weights.tiny_checkpoint import embedded_tiny, make_tiny
 from tests.helpers import prompt_ids
 
 PROMPTS = [prompt_ids(40, 1024, seed=11), prompt_ids(3, 1024, seed=12), prompt_ids(23, 1024, seed=13)]
 
 
 def run(model, prompts, *, speculative: str, chunk: int, tokens: int, graphs: tuple[int, ...] | None = None,
-        replayed: list | None = None) -> list[list[int]]:
+        replayed: list | None = None, drafts: int | None = None) -> list[list[int]]:
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk, speculative=speculative,
+                          num_speculative_tokens=drafts,
                           max_model_len=256 if graphs else None, enforce_eager=graphs is None, cuda_graph_sizes=graphs,
                           adaptive_drafting=False)      # a full draft block every decode step: the invariance is of it
     engine = Engine(model, config)
@@ -56,6 +59,15 @@ def main(argv=None) -> int:
                                      ("prefill chunks of 1", [0], "none", 1)):
         got = run(model, [PROMPTS[i] for i in which], speculative=spec, chunk=chunk, tokens=args.tokens)
         result["checks"][name] = [g == solo[i] for g, i in zip(got, which)]
+    # a V4-Pro-shaped checkpoint (HCA first, no sliding-only layer) with its one-layer MTP drafter, chained
+    # for one and for three drafts: speculation with it is as lossless as DSpark's
+    with tempfile.TemporaryDirectory() as tmp:
+        pro = load_model(make_tiny(Path(tmp) / "pro-tiny", variant="pro-tiny"), args.backend)
+        n = args.tokens // 2
+        result["pro_solo"] = [run(pro, [pr], speculative="none", chunk=512, tokens=n)[0] for pr in PROMPTS]
+        for name, drafts, chunk in (("pro-tiny, batched, mtp", 1, 512), ("pro-tiny, batched, mtp x3, prefill chunks of 7", 3, 7)):
+            got = run(pro, PROMPTS, speculative="mtp", chunk=chunk, tokens=n, drafts=drafts)
+            result["checks"][name] = [g == s for g, s in zip(got, result["pro_solo"])]
     if args.graph_mode:             # buckets of 2 and 4: the three requests pad one, then two finish early
         replayed = []
         got = run(model, PROMPTS, speculative="dspark", chunk=512, tokens=args.tokens, graphs=(2, 4), replayed=replayed)

@@ -1,4 +1,5 @@
-"""DSpark drafter ops as device composites (DSV4-REFERENCE §5.2; L10: no fused op on any target).
+"""Drafter ops as device composites: DSpark (DSV4-REFERENCE §5.2; L10: no fused op on any target) and the
+MTP layer's input fusion (§5.1: per-stream rows, plain elementwise work).
 
 The block attention is one fixed-shape fp32 softmax over [ring ; block] with the sink for every
 draft row of the batch at once; unfilled ring slots (a sequence shorter than the window) are
@@ -17,8 +18,19 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
     return x.float().mean(dim=1)
 
 
-def context_features(taps: list[torch.Tensor]) -> torch.Tensor | None:
-    return torch.cat(taps, dim=-1) if taps else None
+def context_features(taps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """DSpark's main_hidden [T, k*d], or without taps the final streams [T, n, d] (MTP's input)."""
+    return torch.cat(taps, dim=-1) if taps else x
+
+
+def streams_as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, n, d] -> [T*n, d] (a view)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def add_streams(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, n, d] (fp32 streams) + rows [T*n, d] in the compute dtype, summed in fp32, kept in x's dtype."""
+    return (x.float() + rows.float().view(x.shape)).to(x.dtype)
 
 
 def dspark_attention(q, kv, batch: Batch, rings, sink) -> torch.Tensor:

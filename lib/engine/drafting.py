@@ -28,16 +28,40 @@ class DraftBlock(NamedTuple):
     confidence: torch.Tensor         # [S, gamma] raw confidence logits c_k (sigma(c_k) = survival estimate)
 
 
-def check_drafter(model: Model) -> None:
-    """A clear refusal for checkpoints whose drafter this engine cannot run."""
+METHODS = ("auto", "dspark", "mtp", "none")
+ALIASES = {"deepseek_mtp": "mtp"}            # vLLM's name of the method
+
+
+def speculative_method(model: Model, mode: str) -> str | None:
+    """The drafter a speculative mode runs on this checkpoint ("dspark", "mtp" or None), or a clear refusal."""
+    mode = ALIASES.get(mode, mode)
+    if mode not in METHODS:
+        raise ValueError(f"speculative mode '{mode}' is not one of {', '.join(METHODS)} (or deepseek_mtp)")
     kind = model.drafter_kind
+    if mode == "none" or (mode == "auto" and kind == "none"):
+        return None
     if kind == "none":
         raise ValueError(f"{model.root}: the checkpoint has no drafter (compress_ratios lists only the "
                          f"{model.cfg.num_hidden_layers} backbone layers); use --speculative none")
-    if kind == "mtp":
-        raise ValueError(f"{model.root}: the checkpoint's drafter is a classic MTP-1 layer (mtp.0, as in the "
-                         "Flash preview and Pro); only DSpark drafting (DeepSeek-V4-Flash-0731) is supported, "
-                         "use --speculative none")
+    if mode != "auto" and mode != kind:
+        have = "a DSpark drafter (mtp.0..2)" if kind == "dspark" else "a one-layer MTP drafter (mtp.0)"
+        raise ValueError(f"{model.root}: --speculative {mode}, but the checkpoint carries {have}; "
+                         f"use --speculative {kind} or none")
+    return kind
+
+
+def drafts_per_round(model: Model, method: str | None, requested: int | None) -> int:
+    """Drafts proposed per round: DSpark's block size (or fewer), an MTP layer's chain length (default 1)."""
+    if method is None:
+        return 0
+    if requested is not None and requested < 1:
+        raise ValueError(f"--num-speculative-tokens must be at least 1, got {requested}")
+    if method == "mtp":
+        return requested or 1
+    block = block_size(model)
+    if requested is not None and requested > block:
+        raise ValueError(f"--num-speculative-tokens {requested}: the DSpark drafter proposes a block of {block}")
+    return requested or block
 
 
 def block_size(model: Model) -> int:

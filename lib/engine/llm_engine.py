@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one batched forward per `step()`, on any backend.
 
 Each step the scheduler picks work (decodes first, then prefill chunks); requests in their decode
-phase get DSpark drafts; ONE target forward scores every fed token over the paged cache without
+phase get drafts from the checkpoint's drafter (DSpark, or an MTP layer); ONE target forward scores every fed token over the paged cache without
 committing; then each request's rows are sampled (prefill end, plain decode) or verified (drafts),
 and only what was accepted is committed. Rejected positions are never committed, so they leave
 no trace (lib/runtime/paged_cache.py: rings keep `slack` rows past what the committed length reads, and
@@ -19,6 +19,7 @@ from typing import Iterable, NamedTuple
 import torch
 
 from lib.engine import drafting as dspark
+from lib.engine import mtp_drafting as mtp
 from lib.records.batch import make_batch
 from lib.engine.emit import emit, finish, row_logprobs
 from lib.engine import cache_sizing as engine_cache
@@ -37,11 +38,12 @@ class EngineConfig(NamedTuple):
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     num_blocks: int | None = None           # context blocks of block_tokens positions (default: max_num_seqs full contexts)
-    speculative: str = "auto"               # "dspark" | "none" | "auto" (dspark where the checkpoint has one)
+    speculative: str = "auto"               # "dspark" | "mtp" | "none" | "auto" (the checkpoint's own drafter, if any)
     enforce_eager: bool | None = None       # True: never replay captured graphs; None: the device's default
     cuda_graph_sizes: tuple[int, ...] | None = None   # graph batch buckets (lib/engine/graph_mode.py)
     adaptive_drafting: bool = True          # draft only while it pays, each request as far as it survives
                                             # (lib/engine/draft_policy.py); False: a full block every decode step
+    num_speculative_tokens: int | None = None   # drafts per round (default: DSpark's block, one MTP step)
 
 
 def dspark_drafter(model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
@@ -56,15 +58,17 @@ def dspark_drafter(model: Model, requests: list[Request], store, choose) -> dspa
 
 class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), tokenizer=None,
-                 drafter=dspark_drafter, logprob_scorer=token_logprobs):
-        """`drafter`: see dspark_drafter; `logprob_scorer`: sampling.token_logprobs's signature (a
-        fault site: conformance passes field bug B20 through it)."""
-        self.model, self.config, self.tokenizer, self.drafter = model, config, tokenizer, drafter
+                 drafter=None, logprob_scorer=token_logprobs):
+        """`drafter`: see dspark_drafter (default: the checkpoint's own, DSpark or MTP); `logprob_scorer`:
+        sampling.token_logprobs's signature (a fault site: conformance passes field bug B20 through it)."""
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.logprob_scorer = logprob_scorer
         cfg = model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.speculative = self._speculative_mode(config.speculative)
-        self.gamma = dspark.block_size(model) if self.speculative else 0
+        self.method = dspark.speculative_method(model, config.speculative)     # "dspark" | "mtp" | None
+        self.speculative = self.method is not None
+        self.gamma = dspark.drafts_per_round(model, self.method, config.num_speculative_tokens)
+        self.drafter = drafter or (self._mtp_drafter if self.method == "mtp" else dspark_drafter)
         blocks = config.num_blocks or engine_cache.blocks_for(model, config.max_num_seqs,
                                                               self.max_model_len + self.gamma + 1)
         self.store = engine_cache.make_store(model, blocks, config.max_num_seqs, rings=self.speculative,
@@ -88,14 +92,6 @@ class Engine:
         # committed positions' target features not yet made into drafter ring rows, per request: (first position,
         # rows [n, k*d]), at most a window of them; made only before the request drafts (_flush_rings)
         self._unwritten: dict[str, list[tuple[int, torch.Tensor]]] = {}
-
-    def _speculative_mode(self, mode: str) -> bool:
-        if mode not in ("auto", "dspark", "none"):
-            raise ValueError(f"speculative mode '{mode}' is not one of auto, dspark, none")
-        if mode == "none" or (mode == "auto" and self.model.drafter_kind != "dspark"):
-            return False
-        dspark.check_drafter(self.model)
-        return True
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams(),
@@ -166,7 +162,8 @@ class Engine:
             return outputs
         decode_only = all(s.request.decoding for s in plan)
         flushed = time.perf_counter()
-        self._flush_rings([s.request.id for s in plan if s.drafts])
+        if self.method == "dspark":           # an MTP layer makes its rows in its first draft pass instead
+            self._flush_rings([s.request.id for s in plan if s.drafts])
         if not self._drafted_last:     # the backlog of a plain stretch: paid once, not a cost of drafting on
             started += time.perf_counter() - flushed
         drafts = self._draft([s for s in plan if s.drafts])
@@ -275,6 +272,12 @@ class Engine:
             probs = None if block.probs is None else block.probs[i, :n]
             out[r.id] = _Draft(block.tokens[i, :n].tolist(), probs, block.confidence[i])
         return out
+
+    def _mtp_drafter(self, model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
+        """The checkpoint's MTP layer, chained for gamma drafts; it reads the target states of every position
+        committed since the request last drafted (lib/engine/mtp_drafting.py)."""
+        contexts = [mtp.context(self._unwritten.pop(r.id), r.tokens) for r in requests]
+        return mtp.propose(model, store, [r.id for r in requests], contexts, self.gamma, choose)
 
     def _refuse(self, req: Request) -> RequestOutput:
         req.error = (f"the KV cache ({engine_cache.total_blocks(self.store)} blocks) cannot hold request {req.id} "

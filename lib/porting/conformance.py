@@ -271,7 +271,7 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
         checks += batch_checks(batched, Check)
         if done():
             return Report(backend, tuple(checks))
-        with stages("engine checks (logprobs under the guard, DSpark vs plain greedy)"):
+        with stages("engine checks (logprobs under the guard, drafting vs plain greedy)"):
             checks += engine_checks(dev, prompt, profile, Check, fault.logprob_scorer)
         if reference.draft is not None:
             with stages(f"draft checks ({len(reference.draft.starts)} DSpark draft blocks, teacher-forced)"):

@@ -158,9 +158,10 @@ def _engine_run(dev: Model, prompts: list[list[int]], speculative: str, scorer=t
 
 
 def engine_checks(dev: Model, prompt: list[int], profile: Profile, check_type, scorer=token_logprobs) -> list:
-    """The engine under the guard (host syncs aside), its logprob records, and DSpark == plain greedy."""
+    """The engine under the guard (host syncs aside), its logprob records, and speculative (the checkpoint's
+    DSpark or MTP drafter) == plain greedy."""
     prompts = [prompt, prompt[: len(prompt) // 2]]
-    speculative = "dspark" if drafter_kind(dev.cfg) == "dspark" else "none"
+    speculative = {"dspark": "dspark", "mtp": "mtp"}.get(drafter_kind(dev.cfg), "none")
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
     with guard:
         run = _engine_run(dev, prompts, speculative, scorer)
@@ -173,9 +174,9 @@ def engine_checks(dev: Model, prompt: list[int], profile: Profile, check_type, s
     want = (len(prompts) * ENGINE_TOKENS, sum(len(p) for p in prompts))
     checks.append(check_type("engine logprob records (tokens, prompt positions)", str(run.logprobs), str(want),
                              run.logprobs == want))
-    if speculative == "dspark":
+    if speculative != "none":
         plain = _engine_run(dev, prompts, "none", scorer)
         same = plain.outputs == run.outputs
         value = f"identical ({run.accepted} drafts accepted)" if same else (plain.error or "differs")[:80]
-        checks.append(check_type("engine: dspark == plain greedy", value, "identical", same))
+        checks.append(check_type(f"engine: {speculative} == plain greedy", value, "identical", same))
     return checks

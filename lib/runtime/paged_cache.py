@@ -233,6 +233,19 @@ class PagedCache:
                                 self.max_seqs, self.block_tokens, self.logical_block_tokens, self.sites)
         return batch._replace(state=state if self.device is None else state.to(self.device))
 
+    def window_address(self, seq_ids: list, batch: Batch) -> Batch:
+        """The addresses of a batch through a sliding-window drafter layer (MTP) over its own window ring:
+        sequence s continues at `batch.starts[s]`, the drafter's position, not the target's committed length
+        (its ring rows of positions from there on are this batch's own; older ones are read from the ring)."""
+        seqs = [self._seq(s) for s in seq_ids]
+        ends = [start + n for start, n in zip(batch.starts, batch.seq_lens)]
+        state = ring_addressing(batch.seq_lens, [seq.slot for seq in seqs], list(batch.starts), self.max_seqs,
+                                self.block_tokens, self.logical_block_tokens, self.sites)
+        state = state._replace(max_len=max(ends), step_tokens=max(batch.seq_lens))
+        state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window,
+                               window_rings={p.window.shape[1] for p in self.rings}, rings=set(), spans=set())
+        return batch._replace(state=state if self.device is None else state.to(self.device))
+
     def write_ring(self, seq_id, start: int, rows: list[torch.Tensor]) -> None:
         """rows[s] [n, D]: drafter stage s's ring rows for committed positions [start, start + n)."""
         seq = self._seq(seq_id)

@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 
-import msgspec
 import pytest
 import torch
 
@@ -21,7 +20,6 @@ from lib.engine.greedy import greedy
 from lib.runtime.loaded_model import load_model
 from lib.engine.sampling import SamplingParams, target_probs
 from lib.weights.tiny_checkpoint import embedded_tiny
-from spec.schedule import drafter_kind
 from tests.helpers import prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -195,16 +193,6 @@ def test_abort_frees_blocks_at_once(cpu_model):
     assert all(used == 0 for used, _ in engine.store.usage().values()) and not engine.has_unfinished()
 
 
-def test_preview_checkpoints_get_a_clear_dspark_message(cpu_model):
-    cfg = msgspec.structs.replace(cpu_model.cfg, dspark_block_size=None, dspark_noise_token_id=None,
-                                  dspark_target_layer_ids=None, dspark_markov_rank=None,
-                                  compress_ratios=cpu_model.cfg.compress_ratios[:-2])
-    preview = cpu_model._replace(cfg=cfg, drafter_kind=drafter_kind(cfg))
-    with pytest.raises(ValueError, match="only DSpark drafting .* is supported, use --speculative none"):
-        Engine(preview, EngineConfig(speculative="dspark"))
-    assert Engine(preview, EngineConfig(speculative="auto")).speculative is False
-
-
 class _DraftSpy:
     """The generated module with its drafter program watched: the blocks' input tokens are kept."""
 
@@ -242,6 +230,7 @@ def test_batch_chunk_and_speculation_invariance(backend):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["tokens"] >= 64 and all(len(s) == 64 for s in result["solo"])
+    assert all(len(s) == 32 for s in result["pro_solo"]) and sum("mtp" in name for name in result["checks"]) == 2
     failed = {name: ok for name, ok in result["checks"].items() if not all(ok)}
     assert not failed, failed
     if graph:

@@ -20,9 +20,20 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
     return x.to(wide.dtype).mean(dim=1).float()
 
 
-def context_features(taps: list[torch.Tensor]) -> torch.Tensor | None:
-    """Tapped features [T, d] each, in tap order -> main_hidden [T, k*d]; None without taps."""
-    return torch.cat(taps, dim=-1) if taps else None
+def context_features(taps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Tapped features [T, d] each, in tap order -> main_hidden [T, k*d]; without taps the final
+    streams x [T, n, d] themselves (an MTP layer's input)."""
+    return torch.cat(taps, dim=-1) if taps else x
+
+
+def streams_as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, n, d] -> [T*n, d]."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def add_streams(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, n, d] + rows [T*n, d] viewed as streams, in x's dtype (fp64 sum)."""
+    return (x.to(wide.dtype) + rows.to(wide.dtype).view_as(x)).to(x.dtype)
 
 
 def ring_keys(batch: Batch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
