@@ -2,7 +2,9 @@
 
 Parses the arguments, lets lib/planner/plan.py refuse what the spec or profile cannot honour (a
 ValueError becomes one message and exit status 2 in lib/cli/main.py), and prints the plan as a table
-or, with --json, as the JSON lib/planner/plan.py lays out. Knows formatting, not arithmetic.
+or, with --json, as the JSON lib/planner/plan.py lays out. A plan that does not fit is still a plan:
+it prints with "DOES NOT FIT: <reason>" and a warning on stderr, and exits 0 unless --check asks for
+status 1 (as `dsv4gen build --check` does for stale code). Knows formatting, not arithmetic.
 """
 from __future__ import annotations
 
@@ -43,9 +45,16 @@ def add_parser(sub, backend_names: list[str]) -> None:
                    help="with --ops: sequences stepping together (each prefilled, then one decode step of all)")
     s.add_argument("--model", help="with --ops: checkpoint to count on (default: Flash-0731's schedule, widths shrunk)")
     s.add_argument("--variant", default="flash-0731", help="model variant (spec/models)")
-    s.add_argument("--devices", type=int, default=8)
-    s.add_argument("--tp", type=int, help="tensor-parallel size (default: --devices)")
-    s.add_argument("--ep", type=int, help="expert-parallel size (default: --devices)")
+    s.add_argument("--devices", type=int,
+                   help="devices in all (default: --nodes x --devices-per-node, 8 per node)")
+    s.add_argument("--nodes", "--nnodes", dest="nodes", type=int, default=1,
+                   help="nodes the devices are spread over evenly (torchrun's --nnodes)")
+    s.add_argument("--devices-per-node", "--nproc-per-node", dest="devices_per_node", type=int,
+                   help="devices (ranks) per node (torchrun's --nproc-per-node; default: --devices / --nodes, or 8)")
+    s.add_argument("--tp", type=int, help="tensor-parallel size of attention and the dense layers (default: "
+                                          "--devices); less than --devices plans devices / TP data-parallel "
+                                          "attention replicas")
+    s.add_argument("--ep", type=int, help="expert-parallel size of the routed experts (default: --devices)")
     s.add_argument("--expert-mode", help="routed-expert mode of the profile (ascend310p: resident, streaming, "
                                          "preconverted)")
     s.add_argument("--max-model-len", type=int, default=4096)
@@ -59,6 +68,8 @@ def add_parser(sub, backend_names: list[str]) -> None:
     s.add_argument("--context", type=int, help="context length of the predicted decode step (default: max-model-len)")
     s.add_argument("--shard-bytes", type=_size, default=4 * GIB, help="preconverted shard limit (default 4GiB)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--check", action="store_true",
+                   help="exit with status 1 when the plan does not fit (the plan is printed either way)")
     s.add_argument("--calibration", action="store_true",
                    help="the planner with the field stacks' own kernel counts against their measured steps")
     s.add_argument("--graph-mode", action="store_true",
@@ -115,18 +126,31 @@ def cmd_plan(args) -> int:
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
                          f"`--backend all` is for --ops")
-    d = Deployment(args.backend, args.variant, args.devices, args.tp or args.devices, args.ep or args.devices,
+    devices = _devices(args)
+    d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
-                   args.speculative == "dspark", args.shard_bytes)
+                   args.speculative == "dspark", args.shard_bytes, args.nodes)
     plan = make_plan(d, args.context, args.acceptance, graph_mode=args.graph_mode)
     if args.json:
         print(json.dumps(as_json(plan), indent=2))
     else:
         print(format_plan(plan))
-    if not plan.fits:
-        print(f"dsv4gen plan: warning: the weights do not fit {plan.deployment.memory_fraction:g} of device memory",
-              file=sys.stderr)
-    return 0
+    if plan.does_not_fit:
+        print(f"dsv4gen plan: warning: DOES NOT FIT: {plan.does_not_fit}", file=sys.stderr)
+    return 1 if args.check and plan.does_not_fit else 0
+
+
+def _devices(args) -> int:
+    """--devices, or --nodes x --devices-per-node; both given must agree."""
+    if args.devices_per_node is None:
+        return 8 * args.nodes if args.devices is None else args.devices
+    if args.devices_per_node < 1:
+        raise ValueError(f"--devices-per-node must be at least 1, got {args.devices_per_node}")
+    devices = args.nodes * args.devices_per_node
+    if args.devices is not None and args.devices != devices:
+        raise ValueError(f"--devices {args.devices} does not match --nodes {args.nodes} x --devices-per-node "
+                         f"{args.devices_per_node} = {devices}")
+    return devices
 
 
 def _g(n: float) -> str:
@@ -137,7 +161,11 @@ def format_plan(p) -> str:
     d, w, dev = p.deployment, p.weights, p.device
     roll = w.rollup()
     mode = f"experts {d.expert_mode or 'default'} ({w.expert_format})"
-    out = [f"{d.variant} on {d.devices} x {d.backend}, TP {d.tp}, EP {d.ep}, {mode}",
+    where = (f"{d.nodes} nodes x {d.devices_per_node} {d.backend} = {d.devices} devices" if d.nodes > 1
+             else f"{d.devices} x {d.backend}")
+    sizes = f"TP {d.tp}, EP {d.ep}" if d.classic else f"TP {d.tp} x DP {d.dp}, EP {d.ep}"
+    out = [f"{d.variant} on {where}, {sizes}, {mode}",
+           *_layout(p),
            f"device: {dev.doc}",
            "  " + ", ".join(f"{label} {fmt(getattr(dev, name).value)} [{getattr(dev, name).basis}]" for label, name, fmt in (
                ("memory", "memory_bytes", _g), ("bandwidth", "memory_bandwidth_bytes_per_s", lambda v: f"{v / 1e9:g} GB/s"),
@@ -145,6 +173,7 @@ def format_plan(p) -> str:
                ("link", "link_bandwidth_bytes_per_s", lambda v: f"{v / 1e9:g} GB/s"),
                ("collective", "collective_latency_s", lambda v: f"{v * 1e6:g} us"),
                ("reserve", "runtime_reserve_bytes", _g))),
+           *_verdict(p),
            "", "weights per device",
            *(f"  {label:<42}{_g(roll[key]):>11}" for label, key in (
                ("resident weights (target, non-expert)", "resident_weights"),
@@ -154,7 +183,9 @@ def format_plan(p) -> str:
                f"{c.tensor_class} {c.runtime_format} {(c.data + c.scale) / GIB:.3f}"
                for c in sorted(w.target, key=lambda c: -(c.data + c.scale))), 110, initial_indent="  ",
                subsequent_indent="    "),
-           "", "KV cache per device (one shared KV head: every TP rank holds the whole cache)",
+           *_splits(p),
+           "", "KV cache per device (one shared KV head: every TP rank holds the whole cache" +
+               ("" if d.dp == 1 else " of its DP replica's sequences") + ")",
            *_kv(p),
            "", _budget(p), *_capacity(p),
            f"  occupied: {_g(p.occupied)} of {_g(p.device_memory)}",
@@ -166,6 +197,81 @@ def format_plan(p) -> str:
                f"{d.backend} has no preconverted expert mode (`dsv4gen convert` refuses it)"),
            "", *_speed(p)]
     return "\n".join(out)
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    """110 columns, never breaking a --flag-name at its hyphens."""
+    return textwrap.wrap(text, 110, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _layout(p) -> list[str]:
+    """Where each part of the model lives, and whether the runtime can launch the layout."""
+    d, w = p.deployment, p.weights
+    out = []
+    if not d.classic:
+        if d.devices_per_node % d.tp == 0:
+            tp = f"TP {d.tp} within a node"
+        elif d.tp % d.devices_per_node == 0:
+            tp = f"TP {d.tp} across {d.tp // d.devices_per_node} nodes (its all-reduces leave the node)"
+        else:
+            tp = f"TP {d.tp} in groups that straddle nodes (their all-reduces leave the node)"
+        copies = d.devices // d.ep
+        out += _wrap(
+            f"layout: attention and the dense layers {tp}, DP {d.dp} = {d.devices} / {d.tp} attention replicas (each "
+            f"holds its sequences' KV cache); routed experts EP {d.ep}, {w.n_local} of "
+            f"{w.n_local * d.ep} per device" + (f", the split repeated {copies} times" if copies > 1 else "") +
+            "; shared experts, router, compressors, hyper-connections and norms whole on every device "
+            "(tensors.yaml tp: replicate)", "  ")
+    if p.runtime_refusal is not None:
+        out += _wrap(f"PLANNING ONLY, the runtime cannot launch this layout yet: {p.runtime_refusal}", "  ")
+    elif not d.classic:
+        out.append(f"runtime: launchable, one job of {d.devices} ranks ({d.devices_per_node} per node)")
+    return out
+
+
+def _verdict(p) -> list[str]:
+    """What does not fit, first of all; a layout beyond one replica on one node also says what fits."""
+    from lib.planner.plan import nodes_that_fit
+
+    d, c = p.deployment, p.capacity
+    if p.does_not_fit is None:
+        if d.classic:
+            return []
+        return [f"fits: weights {_g(p.weights_bytes)} + workspace {_g(p.workspace)} + reserve {_g(p.reserve)} + KV "
+                f"pool {_g(c.pool_bytes)} = {_g(p.occupied)} of {_g(p.device_memory)} per device; "
+                f"{_n(c.sequences, 'sequence')} of --max-model-len {d.max_model_len:,} per DP replica, "
+                f"{p.sequences_total:,} in all"]
+    out = _wrap(f"DOES NOT FIT: {p.does_not_fit}", "  ")
+    wider = nodes_that_fit(p)
+    if wider is not None:
+        e, wc = wider.deployment, wider.capacity
+        out += _wrap(
+            f"  fits on {e.nodes} nodes x {e.devices_per_node} = {e.devices} devices (--nodes {e.nodes} --tp {e.tp} "
+            f"--ep {e.ep}: TP {e.tp} x DP {e.dp}, EP {e.ep}): weights {_g(wider.weights_bytes)} and a KV pool of "
+            f"{_g(wc.pool_bytes)} per device, {_n(wc.sequences, 'sequence')} of --max-model-len {e.max_model_len:,} "
+            f"per DP replica" + ("" if wider.runtime_refusal is None else "; planning only"), "    ")
+    return out
+
+
+def _splits(p) -> list[str]:
+    """The weights per device by how tensors.yaml places them: the layout's arithmetic, summing to the total."""
+    d, w = p.deployment, p.weights
+    if d.classic:
+        return []
+    split, labels = w.by_split(), {
+        "tp": f"cut TP {d.tp} ways", "replicated": "whole on every device",
+        "experts": f"routed experts, {w.n_local} of {w.n_local * d.ep} (EP {d.ep})",
+        "draft": "draft (mtp.*, every class)"}
+    out = ["  by split (per device, data and scales; the rows sum to the total):"]
+    for key, label in labels.items():
+        out.append(f"    {label:<40}{_g(split[key]):>11}")
+        classes = [f"{c} {b / GIB:.3f}" for s, c, b in w.split if s == key and key in ("tp", "replicated")]
+        out += textwrap.wrap(", ".join(classes), 110, initial_indent="      ", subsequent_indent="      ")
+    return out + [f"    {'total':<40}{_g(sum(split.values())):>11}"]
 
 
 def _kv(p) -> list[str]:
@@ -184,10 +290,12 @@ def _capacity(p) -> list[str]:
     d, c = p.deployment, p.capacity
     why = {"blocks": "limited by the pool", "max_num_seqs": f"limited by --max-num-seqs {d.max_num_seqs}",
            "pool": "the pool holds not even the ring slots and one block"}[c.limited_by]
+    per, total = ("", "") if d.dp == 1 else (" per DP replica", f", {p.sequences_total:,} in all")
     return [f"  KV capacity: engine num_blocks {c.num_blocks:,} of {p.layout.block_tokens} positions = {c.tokens:,} "
-            f"context tokens; pools allocated {_g(c.allocated_bytes)} of {_g(c.pool_bytes)}",
-            f"  sequences of --max-model-len {d.max_model_len:,} held at once: {c.sequences:,} ({why}; each "
-            f"provisioned for {c.sequence_length:,} positions)"
+            f"context tokens{per}; pools allocated {_g(c.allocated_bytes)} of {_g(c.pool_bytes)}",
+            *([] if d.dp == 1 else [f"  x {d.dp} DP replicas = {p.tokens_total:,} context tokens in all"]),
+            f"  sequences of --max-model-len {d.max_model_len:,} held at once: {c.sequences:,}{per}{total} ({why}; "
+            f"each provisioned for {c.sequence_length:,} positions)"
             + ("  ** not one sequence of --max-model-len fits **" if c.sequences == 0 else "")]
 
 
@@ -218,6 +326,11 @@ def _speed(p) -> list[str]:
                 f"  DSpark: block {s.block}, acceptance {s.acceptance:g} -> {s.tokens_per_round:.2f} tokens per "
                 f"{s.round_s * 1e3:.1f} ms round = {s.dspark_per_token_s * 1e3:.1f} ms per token -> "
                 f"{1 / s.dspark_per_token_s:.2f} tok/s"]
+    d = p.deployment
+    if d.nodes > 1 and max(d.tp, d.ep) > d.devices_per_node:
+        out.append(f"  collectives that cross nodes are priced at the profile's link bandwidth "
+                   f"({dev.link_bandwidth_bytes_per_s.value / 1e9:g} GB/s, a figure inside a node; it has none between "
+                   f"nodes): a lower bound on their time")
     return out + [_side_by_side(p)]
 
 

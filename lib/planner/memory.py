@@ -1,5 +1,12 @@
 """Per-device weight memory of a DeepSeek-V4 deployment, from the spec and the backend profile alone.
 
+A deployment is `devices` devices on `nodes` nodes. Attention and the dense layers run TP ways,
+in devices / TP data-parallel attention replicas (DP; TP within a node, DP across nodes is the
+usual multi-node layout on Ascend); routed experts are split EP ways, the expert split repeated
+devices / EP times. The runtime launches only TP and EP each 1 or the world size
+(lib/distributed/process_group.check_sizes); `runtime_refusal` says why any other layout is
+planning-only.
+
 Every logical tensor of the variant (spec/tables.expand: the expansion `dsv4gen inventory` counts)
 is split by its tensors.yaml `tp` rule, kept on a rank by expert placement (lib/records/expert_placement.py),
 held in the runtime format the profile gives its class (or the chosen expert mode), and sized by
@@ -37,6 +44,21 @@ class Deployment(NamedTuple):
     max_num_seqs: int = 16
     speculative: bool = True            # DSpark drafting: its rings are in the cache
     shard_bytes: int = FIELD_SHARD_BYTES
+    nodes: int = 1                      # devices are spread evenly over this many nodes
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel attention replicas: each is TP ranks holding the attention and dense weights."""
+        return self.devices // self.tp
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
+
+    @property
+    def classic(self) -> bool:
+        """One node, one attention replica: the layout every plan before multi-node had (TP = devices)."""
+        return self.nodes == 1 and self.dp == 1
 
 
 class ClassBytes(NamedTuple):
@@ -44,6 +66,10 @@ class ClassBytes(NamedTuple):
     runtime_format: str
     data: int           # bytes per device of weight fields
     scale: int          # bytes per device of scale fields
+
+
+# how tensors.yaml's `tp` rule places a tensor on the devices (the `dsv4gen plan` "by split" table)
+SPLITS = {"rows": "tp", "cols": "tp", "replicate": "replicated", "experts": "experts"}
 
 
 class Weights(NamedTuple):
@@ -54,6 +80,17 @@ class Weights(NamedTuple):
     converted_expert_bytes: int         # the same in its run-time format (runs_as), 0 when held as run
     largest_expert_matrix: int          # elements of an expert's largest matrix (the fp32 decode buffer)
     n_local: int                        # routed experts per rank
+    # (split, class) -> bytes (data + scale) per device of target tensors, split "tp" (cut TP ways),
+    # "replicated" (whole on every device) or "experts" (EP ways); the draft is its own row
+    split: tuple[tuple[str, str, int], ...] = ()
+
+    def by_split(self) -> dict[str, int]:
+        """Split -> bytes per device: tp, replicated, experts (target) and draft; they sum to the total."""
+        out = dict.fromkeys(("tp", "replicated", "experts"), 0)
+        for split, _, size in self.split:
+            out[split] += size
+        out["draft"] = self.total(self.draft)
+        return out
 
     def total(self, classes: tuple[ClassBytes, ...]) -> int:
         return sum(c.data + c.scale for c in classes)
@@ -96,14 +133,25 @@ def check_deployment(d: Deployment) -> Profile:
     if profile.device is None:
         raise ValueError(f"backend {d.backend} has no `device:` section in backends/{d.backend}/profile.yaml; the "
                          f"planner needs its memory, bandwidth and launch latency (spec/hardware.py)")
-    for name, value in (("--devices", d.devices), ("--tp", d.tp), ("--ep", d.ep), ("--max-model-len", d.max_model_len),
-                        ("--max-num-seqs", d.max_num_seqs), ("--shard-bytes", d.shard_bytes)):
+    for name, value in (("--nodes", d.nodes), ("--devices", d.devices), ("--tp", d.tp), ("--ep", d.ep),
+                        ("--max-model-len", d.max_model_len), ("--max-num-seqs", d.max_num_seqs),
+                        ("--shard-bytes", d.shard_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    world = check_sizes(cfg, d.tp, d.ep)                # the runtime's own rule (lib/distributed/process_group.py)
-    if d.devices != world:
+    if d.devices % d.nodes:
+        raise ValueError(f"--devices {d.devices} is not a multiple of --nodes {d.nodes}: every node holds the same "
+                         f"number of devices")
+    check_sizes(cfg, d.tp, 1)           # the runtime's divisibility rules for each size on its own
+    check_sizes(cfg, 1, d.ep)
+    world = max(d.tp, d.ep)
+    if d.devices < world:
         raise ValueError(f"--devices {d.devices} does not match TP={d.tp}, EP={d.ep}: the runtime runs "
                          f"max(TP, EP) = {world} ranks, one per device")
+    for name, size, what in (("TP", d.tp, "data-parallel attention replicas of TP devices each"),
+                             ("EP", d.ep, "copies of the EP-way expert split")):
+        if d.devices % size:
+            raise ValueError(f"{name}={size} does not divide --devices {d.devices}: the devices form "
+                             f"devices / {name} {what}")
     if not 0 < d.memory_fraction <= 1:
         raise ValueError(f"--memory-fraction must be in (0, 1], got {d.memory_fraction:g}")
     if d.max_model_len > cfg.max_position_embeddings:
@@ -113,6 +161,20 @@ def check_deployment(d: Deployment) -> Profile:
         raise ValueError(f"--kv-cache-bytes must not be negative, got {d.kv_cache_bytes}")
     expert_format(profile, d.expert_mode)
     return profile
+
+
+def runtime_refusal(d: Deployment) -> str | None:
+    """Why the runtime cannot launch this layout (None: it can). Its launcher runs one job of
+    max(TP, EP) ranks, TP and EP each 1 or that world (lib/distributed/process_group.check_sizes);
+    data-parallel attention replicas inside a job are not implemented."""
+    try:
+        world = check_sizes(variant_config(d.variant), d.tp, d.ep)
+    except ValueError as err:
+        return f"{err} (lib/distributed/process_group.check_sizes)"
+    if world != d.devices:
+        return (f"the runtime runs one job of max(TP, EP) = {world} ranks, not {d.devices} devices in "
+                f"{d.dp} data-parallel attention replicas")
+    return None
 
 
 def expert_format(profile: Profile, mode: str | None) -> str:
@@ -188,12 +250,17 @@ def weights(d: Deployment) -> Weights:
     profile = check_deployment(d)
     routed = expert_format(profile, d.expert_mode)
     sums: dict[tuple[bool, str], list[int]] = {}
+    split: dict[tuple[str, str], int] = {}
     formats: dict[str, str] = {}
     for t, fmt, fields in device_tensors(d, routed):
         scale = fields.get("scale", 0)
-        row = sums.setdefault((t.layer is not None and t.layer.role != "backbone", t.entry.tensor_class), [0, 0])
+        draft = t.layer is not None and t.layer.role != "backbone"
+        row = sums.setdefault((draft, t.entry.tensor_class), [0, 0])
         row[0] += sum(fields.values()) - scale
         row[1] += scale
+        if not draft:
+            key = (SPLITS[t.entry.tp], t.entry.tensor_class)
+            split[key] = split.get(key, 0) + sum(fields.values())
         formats[t.entry.tensor_class] = fmt
     target = tuple(ClassBytes(c, formats[c], *b) for (draft, c), b in sums.items() if not draft)
     draft = tuple(ClassBytes(c, formats[c], *b) for (is_draft, c), b in sums.items() if is_draft)
@@ -201,7 +268,8 @@ def weights(d: Deployment) -> Weights:
     runs_as = load_runtime_formats().formats[routed].runs_as
     return Weights(target, draft, routed, sum(sum(field_bytes(routed, t.shape).values()) for t in one),
                    sum(sum(field_bytes(runs_as, t.shape).values()) for t in one) if runs_as else 0,
-                   max(math.prod(t.shape) for t in one), variant_config(d.variant).n_routed_experts // d.ep)
+                   max(math.prod(t.shape) for t in one), variant_config(d.variant).n_routed_experts // d.ep,
+                   tuple((s, c, b) for (s, c), b in sorted(split.items(), key=lambda kv: -kv[1])))
 
 
 def preconverted(d: Deployment) -> Preconverted:

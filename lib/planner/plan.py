@@ -3,7 +3,9 @@
 Weights (lib/planner/memory.py), caches (lib/planner/cache_layout.py) and speed (lib/planner/speed.py) are each
 derived from the spec and the backend profile; this module only budgets device memory between
 them (vLLM's rule: a memory fraction of the device, less weights, workspace and runtime reserve,
-is the KV pool) and lays the result out as the JSON `dsv4gen plan --json` prints.
+is the KV pool), says what does not fit and why, and lays the result out as the JSON `dsv4gen plan
+--json` prints. The KV pool is per device; every TP rank of a data-parallel attention replica holds
+the replica's whole cache (one shared KV head), so context tokens are per replica, DP times that in all.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from lib.planner import speed as plan_speed
 from lib.planner.memory import Deployment
 from spec.schedule import drafter_kind
 from spec.variants import variant_config
+
+GIB = 1 << 30
 
 
 class Plan(NamedTuple):
@@ -34,6 +38,7 @@ class Plan(NamedTuple):
     eager: plan_speed.SpeedPlan | None = None      # every launch eager
     captured: plan_speed.SpeedPlan | None = None   # the step replayed as one captured graph (None: no capture)
     graph_mode: bool = False
+    runtime_refusal: str | None = None              # why the runtime cannot launch this layout (None: it can)
 
     @property
     def weights_bytes(self) -> int:
@@ -51,6 +56,48 @@ class Plan(NamedTuple):
     def occupied(self) -> int:
         """What the device would show in use: weights, workspace, reserve and the KV pool."""
         return self.weights_bytes + self.workspace + self.reserve + self.capacity.pool_bytes
+
+    @property
+    def tokens_total(self) -> int:
+        """Context tokens over every data-parallel attention replica."""
+        return self.capacity.tokens * self.deployment.dp
+
+    @property
+    def sequences_total(self) -> int:
+        return self.capacity.sequences * self.deployment.dp
+
+    @property
+    def does_not_fit(self) -> str | None:
+        """Why the deployment cannot serve one sequence of max_model_len per device, or None when it can.
+        The first shortfall in load order: weights, then the KV pool, then one sequence."""
+        d, c, lay = self.deployment, self.capacity, self.layout
+        pool = f"the KV pool of {gib(c.pool_bytes)} per device"
+        pool += " (--kv-cache-bytes)" if d.kv_cache_bytes is not None else ""
+        share = f"{d.memory_fraction:g} x {gib(self.device_memory)} = {gib(self.budget)}"
+        if d.kv_cache_bytes is None and self.weights_bytes > self.budget:
+            return f"weights {gib(self.weights_bytes)} per device > {share}"
+        if d.kv_cache_bytes is None and self.pool_requested < 0:
+            parts = [f"weights {gib(self.weights_bytes)}"]
+            parts += [f"workspace {gib(self.workspace)}"] if self.workspace else []
+            need = self.weights_bytes + self.workspace + self.reserve
+            return (f"{' + '.join(parts)} + reserve {gib(self.reserve)} = {gib(need)} per device > {share}: "
+                    f"no room for a KV pool")
+        if self.occupied > self.device_memory:
+            return (f"weights {gib(self.weights_bytes)} + workspace {gib(self.workspace)} + reserve "
+                    f"{gib(self.reserve)} + KV pool {gib(c.pool_bytes)} (--kv-cache-bytes) = {gib(self.occupied)} "
+                    f"per device > device memory {gib(self.device_memory)}")
+        if c.limited_by == "pool":
+            return (f"{pool} holds not even the ring slots of {lay.max_seqs} sequences + 1 trash slot and one "
+                    f"block of {lay.block_tokens} positions ({gib(lay.total_bytes(1))})")
+        if c.sequences == 0:
+            return (f"{pool} holds {c.tokens:,} context tokens, not one sequence of --max-model-len "
+                    f"{d.max_model_len:,} ({c.sequence_length:,} positions x {lay.kv_bytes_per_token:,.0f} bytes = "
+                    f"{gib(c.sequence_length * lay.kv_bytes_per_token)})")
+        return None
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
 
 
 def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5, graph_mode: bool = False) -> Plan:
@@ -72,7 +119,26 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     if graph_mode and captured is None:
         raise ValueError(f"--graph-mode: {d.backend} has no captured decode step ({device.no_graph})")
     return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d),
-                captured if graph_mode else eager, device, eager, captured, graph_mode)
+                captured if graph_mode else eager, device, eager, captured, graph_mode,
+                plan_memory.runtime_refusal(d))
+
+
+def nodes_that_fit(p: Plan, most: int = 64) -> Plan | None:
+    """The plan on the fewest more nodes of the same size where it fits, TP kept and EP (when it spans
+    every device) grown with them; None when no such layout fits within `most` nodes."""
+    d = p.deployment
+    n_experts = variant_config(d.variant).n_routed_experts
+    if d.kv_cache_bytes is not None or d.ep != d.devices:       # more nodes would not shrink what is short
+        return None
+    for nodes in range(d.nodes + 1, most + 1):
+        devices = nodes * d.devices_per_node
+        ep = devices if d.ep == d.devices else d.ep
+        if devices % d.tp or ep > n_experts or n_experts % ep:
+            continue
+        wider = make_plan(d._replace(nodes=nodes, devices=devices, ep=ep))
+        if wider.does_not_fit is None:
+            return wider
+    return None
 
 
 def _terms(step: plan_speed.StepTime | None) -> dict | None:
@@ -87,6 +153,12 @@ def as_json(p: Plan) -> dict:
     s = p.speed
     return {
         "deployment": p.deployment._asdict(),
+        "layout": {"nodes": p.deployment.nodes, "devices_per_node": p.deployment.devices_per_node,
+                   "tp": p.deployment.tp, "dp": p.deployment.dp, "ep": p.deployment.ep,
+                   "routed_experts_per_device": p.weights.n_local,
+                   "launchable": p.runtime_refusal is None, "planning_only_reason": p.runtime_refusal},
+        "fits": p.does_not_fit is None,
+        "does_not_fit": p.does_not_fit,
         "device": {name: {"value": num.value, "basis": num.basis, "source": num.source}
                    for name in p.device.__struct_fields__ if name not in ("doc", "no_graph")
                    for num in [getattr(p.device, name)] if num is not None},
@@ -96,6 +168,7 @@ def as_json(p: Plan) -> dict:
                                            "dspark": 1 / sp.dspark_per_token_s if sp.verify else None}
             for mode, sp in (("eager", p.eager), ("captured", p.captured))},
         "weights_bytes_per_device": p.weights.rollup(),
+        "weights_bytes_per_device_by_split": p.weights.by_split(),
         "weights_by_class": {f"{role}:{c.tensor_class}": {"format": c.runtime_format, "data": c.data, "scale": c.scale}
                              for role, classes in (("target", p.weights.target), ("draft", p.weights.draft))
                              for c in classes},
@@ -108,6 +181,8 @@ def as_json(p: Plan) -> dict:
         "kv_allocated_bytes": p.capacity.allocated_bytes,
         "kv_capacity_tokens": p.capacity.tokens,
         "kv_capacity_sequences": p.capacity.sequences,
+        "kv_capacity_tokens_total": p.tokens_total,             # over the DP attention replicas
+        "kv_capacity_sequences_total": p.sequences_total,
         "kv_capacity_limited_by": p.capacity.limited_by,
         "engine_num_blocks": p.capacity.num_blocks,
         "memory": {"device": p.device_memory, "budget": p.budget, "workspace": p.workspace, "reserve": p.reserve,

@@ -87,8 +87,9 @@ def _moe(d: Deployment, tokens: int, hidden: int, top_k: int) -> list[Message]:
     """The MoE exchange of lib/distributed/expert_exchange.py, as the profile's `ep_dispatch` picks it. allgather: every rank
     runs its experts on every token and one all-reduce sums. alltoall: a rank's slice of the tokens
     sends its (token, expert) pairs to the experts' ranks and gets the weighted rows back in fp64
-    (each all-to-all first swaps row counts), then the slices are all-gathered in fp64."""
-    group = max(d.tp, d.ep)
+    (each all-to-all first swaps row counts), then the slices are all-gathered in fp64. Every
+    collective is priced at the profile's one link bandwidth, also where its group spans nodes."""
+    group = d.ep if d.ep > 1 else d.tp      # the EP group exchanges; without EP the TP group sums
     if group == 1:
         return []
     act = _act_bytes(d)

@@ -189,7 +189,15 @@ def test_monotone_in_memory_fraction_mode_context_and_acceptance(capsys):
 # ---------------------------------------------------------------- bad arguments
 
 @pytest.mark.parametrize("args, message", [
-    (["--backend", "ascend310p", "--tp", "3"], "TP=3 and EP=8: each must be 1 or the world size max(TP, EP)=8"),
+    # a TP below the world is planned (data-parallel attention replicas), but it must divide the model and the devices
+    (["--backend", "ascend310p", "--tp", "3"], "tensor parallel size 3 does not divide num_attention_heads (64)"),
+    (["--backend", "ascend910", "--variant", "pro", "--devices", "24", "--tp", "16"],
+     "TP=16 does not divide --devices 24: the devices form devices / TP data-parallel attention replicas"),
+    (["--backend", "ascend910", "--devices", "16", "--nodes", "3"],
+     "--devices 16 is not a multiple of --nodes 3: every node holds the same number of devices"),
+    (["--backend", "ascend910", "--devices", "16", "--nodes", "2", "--devices-per-node", "4"],
+     "--devices 16 does not match --nodes 2 x --devices-per-node 4 = 8"),
+    (["--backend", "ascend910", "--nodes", "0"], "--nodes must be at least 1, got 0"),
     (["--backend", "ascend310p", "--devices", "4", "--tp", "8", "--ep", "8"],
      "--devices 4 does not match TP=8, EP=8: the runtime runs max(TP, EP) = 8 ranks, one per device"),
     (["--backend", "ascend310p", "--devices", "6"], "tensor parallel size 6 does not divide num_attention_heads (64)"),
