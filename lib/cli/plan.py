@@ -61,9 +61,10 @@ def add_parser(sub, backend_names: list[str]) -> None:
     s.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory the runtime may use")
     s.add_argument("--kv-cache-bytes", type=_size, help="explicit KV pool (e.g. 128MiB) instead of the fraction")
     s.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (sizes the entry groups)")
-    s.add_argument("--speculative", choices=["dspark", "none"], default="dspark",
-                   help="none: no drafter rings and no DSpark round (the drafter's weights still load: the runtime "
-                        "loads every checkpoint tensor)")
+    s.add_argument("--speculative", choices=["dspark", "mtp", "none"], default="dspark",
+                   help="drafting with the checkpoint's own drafter (DSpark, or the MTP layer of the Flash preview and "
+                        "Pro; either name plans it); none: no drafter rings and no draft round (the drafter's weights "
+                        "still load: the runtime loads every checkpoint tensor)")
     s.add_argument("--acceptance", type=float, default=0.5, help="DSpark accepted / drafted (310P field: 0.48)")
     s.add_argument("--context", type=int, help="context length of the predicted decode step (default: max-model-len)")
     s.add_argument("--shard-bytes", type=_size, default=4 * GIB, help="preconverted shard limit (default 4GiB)")
@@ -129,7 +130,7 @@ def cmd_plan(args) -> int:
     devices = _devices(args)
     d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
-                   args.speculative == "dspark", args.shard_bytes, args.nodes)
+                   args.speculative != "none", args.shard_bytes, args.nodes)
     plan = make_plan(d, args.context, args.acceptance, graph_mode=args.graph_mode)
     if args.json:
         print(json.dumps(as_json(plan), indent=2))

@@ -19,7 +19,7 @@ from lib.runtime.loaded_model import BackendFacts, generated
 from lib.runtime.state_pools import PoolShape, entry_ratios, group_blocks, pool_shapes
 from spec.config import ModelConfig
 from spec.profile import load_profile
-from spec.schedule import LayerInfo, backbone, drafter
+from spec.schedule import LayerInfo, backbone, drafter, drafter_kind
 
 PER_POSITION = ("csa_entries", "hca_entries", "indexer_keys")          # block pools, grow with the context
 PER_SEQUENCE = ("window_ring", "compressor_buffers", "draft_rings")    # ring slots, fixed per sequence
@@ -49,15 +49,18 @@ def cache_model(backend: str, cfg: ModelConfig) -> CacheModel:
 
 
 def slack_of(cfg: ModelConfig, speculative: bool) -> int:
-    """Positions one step may leave uncommitted: a verify writes the anchor and the draft block."""
-    return 1 + cfg.dspark_block_size if speculative else 1
+    """Positions one step may leave uncommitted: a verify writes the anchor and the drafts (a DSpark block,
+    or the one draft an MTP layer proposes by default)."""
+    if not speculative or drafter_kind(cfg) == "none":
+        return 1
+    return 1 + (cfg.dspark_block_size if drafter_kind(cfg) == "dspark" else 1)
 
 
 class CacheLayout(NamedTuple):
     model: CacheModel
     max_seqs: int
     slack: int
-    rings: bool                     # drafter context rings are allocated (speculative DSpark)
+    rings: bool                     # drafter rings are allocated (speculative: DSpark's context rings, MTP's window)
 
     @property
     def block_tokens(self) -> int:

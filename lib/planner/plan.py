@@ -111,7 +111,7 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     budget = int(device.memory_bytes.value * d.memory_fraction)
     pool = d.kv_cache_bytes if d.kv_cache_bytes is not None else budget - weights.rollup()["total"] - workspace - reserve
     cfg = variant_config(d.variant)
-    layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) == "dspark", d.max_num_seqs)
+    layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) != "none", d.max_num_seqs)
     capacity = plan_cache.capacity(layout, pool, d.max_model_len)
     at = context or d.max_model_len
     eager = plan_speed.speed(d, weights, layout, at, acceptance)
