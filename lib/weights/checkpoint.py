@@ -81,24 +81,24 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     return out
 
 
-def read_weight_map(root: Path) -> dict[str, str]:
-    """key -> shard file name, from the index (or the single-file layout)."""
-    index = root / INDEX_NAME
+def read_weight_map(root: Path, index_name: str = INDEX_NAME, single: str | None = SINGLE_NAME) -> dict[str, str]:
+    """key -> shard file name, from the index `index_name` (or the single-file layout `single`)."""
+    index = root / index_name
     if index.exists():
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
             weight_map = data["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{INDEX_NAME}: not a safetensors index ({err})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index_name}: not a safetensors index ({err})") from None
         missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
         if missing:
             keys = [k for k, f in weight_map.items() if f == missing[0]]
-            raise CheckpointError(f"{INDEX_NAME}: names shard {missing[0]} (for {len(keys)} tensors, e.g. "
+            raise CheckpointError(f"{index_name}: names shard {missing[0]} (for {len(keys)} tensors, e.g. "
                                   f"{keys[0]}), which does not exist in {root}")
         return dict(weight_map)
-    if (root / SINGLE_NAME).is_file():
-        return {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME)}
-    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    if single is not None and (root / single).is_file():
+        return {k: single for k in read_header(root / single)}
+    raise CheckpointError(f"{root}: {index_name} not found" + (f", nor {single}" if single else ""))
 
 
 class Checkpoint:
@@ -118,8 +118,10 @@ class Checkpoint:
         self.logical: tuple[Logical, ...] = expand(self.config)
         problems: list[str] = []
         if self.layout == "msmodelslim":
-            slim = modelslim.read_layout(self.root, CheckpointError)
-            self.index_name, self.quant_type, weight_map = load_msmodelslim().files.index, slim.model_quant_type, slim.weight_map
+            self.index_name = load_msmodelslim().files.index
+            weight_map = read_weight_map(self.root, self.index_name, single=None)
+            slim = modelslim.read_layout(self.root, weight_map, CheckpointError)
+            self.quant_type = slim.model_quant_type
             self.logical, problems = modelslim.relabel(self.logical, slim, self.config)
         else:
             self.index_name, self.quant_type, weight_map = INDEX_NAME, "fp8", read_weight_map(self.root)

@@ -40,7 +40,8 @@ def config_replacements() -> dict:
     return {"quantization_config": variant_config("flash-0731").to_json_dict()["quantization_config"]}
 
 
-def read_layout(root: Path, error: type[Exception]) -> ModelSlimLayout:
+def read_layout(root: Path, weight_map: dict[str, str], error: type[Exception]) -> ModelSlimLayout:
+    """The description's labels beside the export's weight map (read from its index by the caller)."""
     files = load_msmodelslim().files
     path = Path(root) / files.description
     try:
@@ -58,23 +59,7 @@ def read_layout(root: Path, error: type[Exception]) -> ModelSlimLayout:
            for k, v in labels.items() if v not in known]
     if bad:
         raise error("\n".join(bad[:20]))
-    return ModelSlimLayout(labels, str(data.get("model_quant_type", "")), _weight_map(Path(root), error))
-
-
-def _weight_map(root: Path, error: type[Exception]) -> dict[str, str]:
-    name = load_msmodelslim().files.index
-    try:
-        weight_map = json.loads((root / name).read_text(encoding="utf-8"))["weight_map"]
-    except FileNotFoundError:
-        raise error(f"{root}: {load_msmodelslim().files.description} found but not {name}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise error(f"{name}: not a safetensors index ({err})") from None
-    missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
-    if missing:
-        keys = [k for k, f in weight_map.items() if f == missing[0]]
-        raise error(f"{name}: names shard {missing[0]} (for {len(keys)} tensors, e.g. {keys[0]}), "
-                    f"which does not exist in {root}")
-    return dict(weight_map)
+    return ModelSlimLayout(labels, str(data.get("model_quant_type", "")), weight_map)
 
 
 def relabel(logical: tuple[Logical, ...], layout: ModelSlimLayout,
