@@ -36,7 +36,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="KV cache context blocks of block_tokens positions; each compress ratio m gets cdiv(N, m) + max-num-seqs blocks of entries (default: max-num-seqs full contexts)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond max-num-seqs before new ones get 503 + Retry-After")
-    p.add_argument("--speculative", choices=["dspark", "none"], help="default: dspark where the checkpoint has it")
+    p.add_argument("--speculative", choices=["dspark", "mtp", "deepseek_mtp", "none"],
+                   help="default: the checkpoint's own drafter (DSpark, or the MTP layer of the Flash preview and Pro)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="drafts per round (default: DSpark's block of 5; one MTP step, chained when more)")
     p.add_argument("--adaptive-drafting", action=argparse.BooleanOptionalAction, default=True,
                    help="draft only while drafting measures faster than plain decoding, each request as far as its "
                         "drafts survive (default); --no-adaptive-drafting drafts a full block at every decode step")
@@ -111,18 +114,18 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     config = EngineConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.num_blocks,
                           args.speculative or "auto", args.enforce_eager,
                           None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes),
-                          args.adaptive_drafting)
+                          args.adaptive_drafting, args.num_speculative_tokens)
     engine = launch(launch_spec(args, path, config))
     tokenizer = Tokenizer.from_dir(path)
     metrics = ServerMetrics(name)
     bridge = AsyncEngine(engine, max_queued=args.max_queued_requests, on_output=metrics.on_output,
                          on_abort=metrics.on_abort, on_step=metrics.on_step)
-    watch(engine, bridge.fail)                    # a dead worker turns /health 503 within a second
+    watch(engine, bridge.fail)                    # a dead worker (torchrun: a silent rank) turns /health 503
     metrics.attach(bridge)
     ctx = ServerContext(bridge, tokenizer, metrics, name, engine.max_model_len, engine.model.cfg.vocab_size,
                         generation_defaults(path), api_key=args.api_key, max_body_bytes=args.max_request_bytes)
     print(f"engine ready: {name}, max_model_len {engine.max_model_len}, max_num_seqs {args.max_num_seqs}, "
-          f"speculative {'dspark' if engine.speculative else 'none'}, "
+          f"speculative {engine.method or 'none'}, "
           f"{'graph mode' if getattr(engine, 'graphs', None) else 'eager'}", file=out)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

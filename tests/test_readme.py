@@ -48,6 +48,7 @@ COMMANDS: list[tuple[str, str | None]] = [
     (r"curl ", "needs a second shell with a running server: tests/serve/test_serve_main.py sends the README's curl call"),
     (r"(python -m serve|dsv4gen serve)( |$)", "starts a server that runs until stopped: tests/serve/test_serve_main.py, "
                                              "tests/serve/test_serve_parallel.py"),
+    (r"torchrun ", "one rank per device on several hosts: tests/launcher/test_torchrun.py runs two nodes on one host"),
     (r"dsv4gen conformance --list-injections$", RUN),
     (r"dsv4gen conformance ", "minutes per device backend: tests/porting/test_conformance.py, tests/launcher/test_parallel.py"),
     (r"dsv4gen bench( |$)", "a benchmark of many minutes: tests/bench/test_bench.py runs it small"),

@@ -26,8 +26,10 @@ def add_arguments(sub, backend_names: list[str], model_path, load_options) -> No
             s.add_argument("--prompt", required=True)
             s.add_argument("--max-tokens", type=int, default=32)
             s.add_argument("--raw", action="store_true", help="send the prompt as is, without the V4 chat encoding")
-            s.add_argument("--speculative", choices=["dspark", "none"],
-                           help="drafting (default: dspark where the checkpoint has a DSpark drafter)")
+            s.add_argument("--speculative", choices=["dspark", "mtp", "deepseek_mtp", "none"],
+                           help="drafting (default: the checkpoint's own drafter, DSpark or MTP)")
+            s.add_argument("--num-speculative-tokens", type=int,
+                           help="drafts per round (default: DSpark's block; one MTP step, chained when more)")
             s.add_argument("--adaptive-drafting", action=argparse.BooleanOptionalAction, default=True,
                            help="draft only while it pays (default); --no-adaptive-drafting: a full block every step")
             s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -48,6 +50,7 @@ def add_arguments(sub, backend_names: list[str], model_path, load_options) -> No
 def cmd_run(args) -> int:
     from lib.text.chat_encoding import encode_messages
     from lib.engine.llm_engine import EngineConfig
+    from lib.launcher import torchrun
     from lib.launcher.ranks import ReplicatedEngine, launch
     from lib.engine.sampling import SamplingParams
     from lib.text.tokenizer import Tokenizer
@@ -56,9 +59,12 @@ def cmd_run(args) -> int:
     tok = Tokenizer.from_dir(path)
     spec = launch_spec(args, path, EngineConfig(max_num_seqs=1, speculative=args.speculative or "auto",
                                                          enforce_eager=args.enforce_eager,
-                                                         adaptive_drafting=args.adaptive_drafting))
+                                                         adaptive_drafting=args.adaptive_drafting,
+                                                         num_speculative_tokens=args.num_speculative_tokens))
     layout = f", TP={spec.tp} EP={spec.ep} in {max(spec.tp, spec.ep)} processes" if max(spec.tp, spec.ep) > 1 else ""
-    with Stages(f"run {args.backend}")(f"loading {path}{layout}"):
+    job = torchrun.environment()
+    # under torchrun only rank 0 says anything: the others' launch() follows rank 0, then exits
+    with Stages(f"run {args.backend}", enabled=job is None or not job.follower)(f"loading {path}{layout}"):
         engine = launch(spec)
     try:
         return _generate(args, engine, tok, encode_messages, SamplingParams)
@@ -82,7 +88,7 @@ def _generate(args, engine, tok, encode_messages, SamplingParams) -> int:
     sys.stdout.write("\n")
     if args.stats:
         req = engine.requests[rid]
-        mode = "dspark" if engine.speculative else "none"
+        mode = engine.method or "none"
         print(f"speculative: {mode}; emitted {len(req.output)} tokens, finish reason {req.finish_reason}",
               file=sys.stderr)
         if engine.speculative:

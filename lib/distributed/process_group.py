@@ -65,29 +65,43 @@ def check_sizes(cfg, tp: int, ep: int) -> int:
 
 
 def init_process_group(rank: int, world: int, init_method: str, backend: str | None = None,
-                       peers_gone: Callable[[], str | None] | None = None) -> None:
+                       peers_gone: Callable[[], str | None] | None = None, join_timeout: float | None = None,
+                       scope: str = "") -> None:
     """Join the job's process group. Call before loading any weight (L17).
 
-    init_method is "tcp://host:port", where rank 0 holds the rendezvous store. Every other rank
-    marks its arrival there first, and rank 0 waits for the marks polling `peers_gone()` (a reason
-    once a rank's process has exited): a rank that dies on its way in (a failed import, its
-    arguments failing to unpickle under spawn) then fails the launch at once, naming the rank,
-    instead of leaving rank 0 in the rendezvous for the group's whole timeout."""
+    init_method is "tcp://host:port", where rank 0 holds the rendezvous store, or "env://": a job
+    torchrun started, whose store is at MASTER_ADDR:MASTER_PORT (torchrun's agent on node 0 holds
+    it); `scope` then keeps one attempt's keys apart from an earlier attempt's in that store. Every
+    other rank marks its arrival there first, and rank 0 waits for the marks polling `peers_gone()`
+    (a reason once a rank's process has exited): a rank that dies on its way in (a failed import,
+    its arguments failing to unpickle under spawn) then fails the launch at once, naming the rank,
+    instead of leaving rank 0 in the rendezvous for the group's whole timeout. Where rank 0 cannot
+    see the others' processes (other hosts), `join_timeout` seconds bound that wait instead."""
     import torch.distributed as dist
 
     backend = backend or os.environ.get("DSV4GEN_DIST_BACKEND", "gloo")
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    if not init_method.startswith("tcp://") or not host or not port.isdigit():
-        raise ValueError(f"init_method '{init_method}' is not tcp://host:port")
-    store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=GROUP_TIMEOUT,
-                          wait_for_workers=False)
+    if init_method == "env://":
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=GROUP_TIMEOUT))
+        store = dist.PrefixStore(f"dsv4gen/{scope}", store) if scope else store
+    else:
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        if not init_method.startswith("tcp://") or not host or not port.isdigit():
+            raise ValueError(f"init_method '{init_method}' is not tcp://host:port or env://")
+        store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=GROUP_TIMEOUT,
+                              wait_for_workers=False)
     arrived = [f"dsv4gen/arrived/{r}" for r in range(1, world)]
     if rank:
         store.set(arrived[rank - 1], "1")
     else:
+        start = time.monotonic()
         while not store.check(arrived):
             if peers_gone is not None and (reason := peers_gone()):
                 raise RuntimeError(f"{reason} before joining the process group")
+            if join_timeout is not None and time.monotonic() - start > join_timeout:
+                missing = [r for r, key in enumerate(arrived, start=1) if not store.check([key])]
+                raise RuntimeError(f"rank(s) {', '.join(map(str, missing))} did not join the process group "
+                                   f"within {join_timeout:.0f} s ({init_method}): their processes failed "
+                                   "before joining or cannot reach the store")
             time.sleep(0.1)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
 

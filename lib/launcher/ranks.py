@@ -8,6 +8,11 @@ the last step (add, abort, release), so every rank's engine holds the same reque
 same scheduling, drafting and sampling decisions (a request without a seed gets one chosen on rank 0; whether a
 step drafts, which depends on rank 0's timings, is sent along: lib/engine/draft_policy.py), and
 the generated code's collectives line up. A worker that dies is noticed by a monitor thread.
+
+Under torchrun (several hosts: lib/launcher/torchrun.py) nothing is spawned: torchrun started every
+rank, each joins the group through env://, rank 0 gets the ReplicatedEngine and every other rank
+follows it, then exits. Rank 0 cannot see another host's processes, so there the monitor reads the
+followers' heartbeat counters in the job's store instead (lib/launcher/heartbeat.py).
 """
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ from typing import Callable, NamedTuple
 import msgspec
 
 from lib.distributed import process_group as parallel
+from lib.launcher import torchrun
+
+JOIN_TIMEOUT_S = 600.0      # torchrun ranks: how long rank 0 waits for ranks it cannot see to join
+LEAVE_TIMEOUT_S = 10.0      # ... and for them to leave after "stop"
 
 
 class LaunchSpec(NamedTuple):
@@ -55,12 +64,17 @@ def bind_numa(rank: int) -> str | None:
 
 
 def _build(spec: LaunchSpec, rank: int, world: int, init_method: str, progress: bool, peers_gone=None):
+    parallel.init_process_group(rank, world, init_method, peers_gone=peers_gone)   # before any weight (L17)
+    bind_numa(rank)
+    return _load(spec, progress)
+
+
+def _load(spec: LaunchSpec, progress: bool):
+    """This rank's shard and engine, once it is in the process group."""
     from lib.engine.llm_engine import Engine
     from lib.runtime.loaded_model import load_model
     from lib.text.tokenizer import Tokenizer
 
-    parallel.init_process_group(rank, world, init_method, peers_gone=peers_gone)   # before any weight (L17)
-    bind_numa(rank)
     par = parallel.live(spec.tp, spec.ep, spec.ep_dispatch)        # this process's rank, read now (B11)
     model = load_model(spec.model_path, backend=spec.backend, progress=progress, options=spec.load_options,
                        parallel=par)
@@ -103,9 +117,13 @@ def _first_exit(workers: list) -> str | None:
 class ReplicatedEngine:
     """Rank 0's engine: the Engine interface, with every command replayed on the other ranks."""
 
-    def __init__(self, engine, workers: list, on_close: Callable[[], None]):
-        self.engine, self.workers, self._on_close = engine, workers, on_close
+    def __init__(self, engine, workers: list, on_close: Callable[[], None],
+                 liveness: Callable[[], str | None] | None = None):
+        """`workers`: the rank processes this process spawned; `liveness()`: why a rank it cannot see
+        is gone, or None (torchrun ranks on other hosts)."""
+        self.engine, self.workers, self._on_close, self._liveness = engine, workers, on_close, liveness
         self._pending: list[tuple] = []
+        self._closed = False
 
     def __getattr__(self, name):                 # read-only state: requests, store, scheduler, counters...
         return getattr(self.engine, name)
@@ -141,7 +159,9 @@ class ReplicatedEngine:
         return [self.engine.requests[i] for i in ids]
 
     def dead_worker(self) -> str | None:
-        return _first_exit(self.workers)
+        if self._closed:                         # the ranks were stopped on purpose
+            return None
+        return _first_exit(self.workers) or (self._liveness() if self._liveness is not None else None)
 
     def close(self) -> None:
         """Stop the workers (they leave their loop), then make sure they are gone."""
@@ -151,6 +171,7 @@ class ReplicatedEngine:
             if self.dead_worker() is None:
                 dist.broadcast_object_list([[("stop",)]], src=0)
         finally:
+            self._closed = True
             for proc in self.workers:
                 proc.join(timeout=10)
                 if proc.is_alive():
@@ -159,8 +180,15 @@ class ReplicatedEngine:
 
 
 def launch(spec: LaunchSpec, progress: bool = True):
-    """The engine for `spec`: a plain Engine in one process, else a ReplicatedEngine over W processes."""
+    """The engine for `spec`: a plain Engine in one process, else a ReplicatedEngine over W processes.
+
+    Under torchrun with more than one rank, only rank 0 returns (the ReplicatedEngine): every other
+    rank follows it until it stops the job, then exits the process (SystemExit(0)), so an entry
+    point never reaches its own work (serving HTTP, printing) there."""
     world = max(spec.tp, spec.ep)
+    job = torchrun.environment()
+    if job is not None and max(world, job.world) > 1:
+        return _launch_torchrun(spec, job, progress)
     if world == 1:
         from lib.engine.llm_engine import Engine
         from lib.runtime.loaded_model import load_model
@@ -191,9 +219,47 @@ def launch(spec: LaunchSpec, progress: bool = True):
     return ReplicatedEngine(engine, workers, on_close=dist.destroy_process_group)
 
 
+def _launch_torchrun(spec: LaunchSpec, job: torchrun.TorchrunRank, progress: bool):
+    """Join the group torchrun set up and load this rank's shard; rank 0 returns its engine."""
+    import torch
+    import torch.distributed as dist
+
+    from lib.launcher import heartbeat
+    from lib.weights.checkpoint import Checkpoint
+
+    world = torchrun.check_world(job, spec.tp, spec.ep)              # fail before the rendezvous, on every rank
+    parallel.check_sizes(Checkpoint(spec.model_path).config, spec.tp, spec.ep)
+    if "OMP_NUM_THREADS" not in os.environ:      # this node's ranks share its cores (as spawned workers do)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world))
+    parallel.init_process_group(job.rank, world, "env://", join_timeout=JOIN_TIMEOUT_S,
+                                scope=job.attempt)                   # before any weight (L17)
+    bind_numa(job.local_rank)
+    if job.follower:
+        beat = heartbeat.Beat(job.master_addr, job.master_port, job.rank, job.attempt)
+        try:
+            follow(_load(spec, progress=False))
+        finally:
+            beat.stop()
+            dist.destroy_process_group()
+        beat.leave()                             # rank 0 tears its side down only after this (heartbeat.py)
+        raise SystemExit(0)
+    watcher = heartbeat.Watcher(job.master_addr, job.master_port, range(1, world), job.attempt)
+    try:
+        engine = _load(spec, progress)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+    def close() -> None:
+        watcher.wait_left(LEAVE_TIMEOUT_S)
+        dist.destroy_process_group()
+    return ReplicatedEngine(engine, [], on_close=close, liveness=watcher.dead)
+
+
 def watch(engine, on_death: Callable[[str], None], period: float = 0.5) -> threading.Thread | None:
-    """Call `on_death(reason)` once if a worker process of `engine` dies, so a server turns unhealthy
-    even while idle (a busy one also sees its next collective fail)."""
+    """Call `on_death(reason)` once if a worker process of `engine` dies, or (torchrun) a rank's
+    heartbeat stops, so a server turns unhealthy even while idle (a busy one also sees its next
+    collective fail, where the lost peer's connection resets)."""
     if not isinstance(engine, ReplicatedEngine):
         return None
     stop = threading.Event()
