@@ -15,7 +15,7 @@ from pathlib import Path
 import jinja2
 
 from codegen.lower import Rewrite, lower
-from spec.config import RankConfig
+from spec.config import RankConfig, forward_refusal
 from spec.fused import describe, unmet
 from spec.graph import GRAPH_PATH, load_graph
 from spec.profile import load_profile, load_runtime_formats, profile_path
@@ -126,6 +126,10 @@ def _fused_rows(profile) -> list[dict]:
     for name, kernel in profile.fused.items():
         per_variant = []
         for variant in variants():
+            # a model no backend runs (V4.1-Flash: spec/config.py UNRUNNABLE) has no rank config and no
+            # graph here, so "fused" / "composite" would mislead: the table lists runnable variants only
+            if forward_refusal(variant_config(variant)) is not None:
+                continue
             failed = unmet(kernel.limits.values(), RankConfig.of(variant_config(variant)))
             per_variant.append((variant, "fused" if not failed else "composite: " + "; ".join(failed)))
         rows.append({"name": name, "kernel": kernel, "ops": ", ".join(f"`{op}`" for op in kernel.ops),

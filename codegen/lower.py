@@ -78,7 +78,9 @@ def _combo_keys(table: TensorTable, attention: str, routing: str) -> set[str]:
     if attention == "dspark":       # a middle stage: first/last-stage extras are not block-program keys
         layer = LayerInfo(1, "mtp.1", "dspark", attention, 0, routing, "main", 1, False)
     else:
-        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False)
+        # a V4 layer of this kind: every compressed layer owns its compressor, every CSA one its indexer
+        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False,
+                          kv_source=attention in ("csa", "hca"), index_source=attention == "csa")
     stored = {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
     return stored | {d.key for d in table.derived if d.scope == "block" and d.when.matches(layer)}
 

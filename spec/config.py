@@ -23,15 +23,18 @@ class RopeScaling(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     beta_slow: float
 
 
-class QuantizationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class QuantizationConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True,
+                         omit_defaults=True):
     quant_method: Literal["fp8"]
-    fmt: Literal["e4m3"]
+    # V4 writes `fmt: e4m3`; V4.1's quantization_config has no `fmt` key (V41-REFERENCE §1.1, from
+    # the release config.json: [CFG] code-index id 71473622996, [REL] id 68878548201)
+    fmt: Literal["e4m3"] | None = None
     scale_fmt: Literal["ue8m0"]
     weight_block_size: tuple[int, int]
     activation_scheme: Literal["dynamic"]
 
 
-class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -64,7 +67,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     norm_topk_prob: Literal[True]
     routed_scaling_factor: float
     swiglu_limit: float
-    num_hash_layers: int
+    num_hash_layers: int = 0                 # V4.1 omits the key: no hash-routed layer
     num_nextn_predict_layers: int
     expert_dtype: Literal["fp4", "fp8"]
     quantization_config: QuantizationConfig
@@ -75,12 +78,40 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     attention_bias: Literal[False]
     torch_dtype: Literal["bfloat16"]
     architectures: tuple[str, ...] = ("DeepseekV4ForCausalLM",)
-    model_type: Literal["deepseek_v4"] = "deepseek_v4"
+    model_type: Literal["deepseek_v4", "deepseek_v41"] = "deepseek_v4"
     # DeepSeek-V4-Flash-0731 only: the DSpark drafter (DSV4-REFERENCE §5.2)
     dspark_block_size: int | None = None
     dspark_noise_token_id: int | None = None
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_markov_rank: int | None = None
+    # DeepSeek-V4.1-Flash only (V41-REFERENCE §1.2-1.4; its config.json nests these under
+    # `text_config` / `vision_config`, the spec flattens them, vision keys with a `vision_` prefix).
+    # All absent for V4: every compressed layer then owns its compressor and indexer.
+    kv_source_layer_ids: tuple[int, ...] | None = None      # layers that run a compressor
+    index_source_layer_ids: tuple[int, ...] | None = None   # layers that run an indexer query side
+    candidate_source_layer_id: int | None = None            # the layer that writes candidate blocks
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    engram_layer_ids: tuple[int, ...] | None = None         # layers with an Engram table before them
+    engram_num_embeddings: tuple[int, ...] | None = None    # table rows, one per engram_layer_ids entry
+    engram_max_ngram_size: int | None = None
+    engram_vocab_size: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    engram_pad_token_id: int | None = None
+    engram_compressed_vocab_size: int | None = None
+    dspark_n_routed_experts: int | None = None              # the drafter stages' own MoE width
+    dspark_num_experts_per_tok: int | None = None
+    image_token_id: int | None = None
+    vision_num_hidden_layers: int | None = None             # vision_config.num_hidden_layers
+    vision_hidden_size: int | None = None
+    vision_num_attention_heads: int | None = None
+    vision_intermediate_size: int | None = None
+    vision_patch_size: int | None = None
+    vision_rope_theta: float | None = None
+    vision_downsample_ratio: int | None = None
+    vision_max_image_tokens: int | None = None
+    vision_min_pixels: int | None = None
 
     def to_json_dict(self) -> dict:
         """The config as an official-format `config.json` object (absent optional keys omitted)."""
@@ -89,6 +120,24 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 CONFIG_KEYS = frozenset(f.name for f in msgspec.structs.fields(ModelConfig))
+
+# The model generations whose forward no backend runs yet: the spec describes their checkpoint
+# (config, schedule, tensor inventory), but the graph, the generated code and the loaders are V4's.
+UNRUNNABLE = {"deepseek_v41": "DeepSeek-V4.1-Flash"}
+
+
+def forward_refusal(cfg: ModelConfig) -> str | None:
+    """Why no backend can run this config's forward (None: it can)."""
+    name = UNRUNNABLE.get(cfg.model_type)
+    if name is None:
+        return None
+    return f"{name}: the spec counts its tensors, but no backend runs its forward yet"
+
+
+def require_runnable(cfg: ModelConfig, where: str = "") -> None:
+    reason = forward_refusal(cfg)
+    if reason is not None:
+        raise SpecError(f"{where}: {reason}" if where else reason)
 
 
 class RankConfig(ModelConfig, frozen=True, kw_only=True):
@@ -107,6 +156,8 @@ class RankConfig(ModelConfig, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, cfg: ModelConfig, **rank) -> "RankConfig":
+        # the config generated code runs with: refuse a model no backend's graph describes
+        require_runnable(cfg)
         return cls(**{f: getattr(cfg, f) for f in CONFIG_KEYS}, **rank)
 
 
@@ -168,6 +219,18 @@ def check_config(cfg: ModelConfig, where: str, lines: dict | None = None, contex
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         bad("num_experts_per_tok",
             f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+        for layer in getattr(cfg, key) or ():
+            if not 0 <= layer < cfg.num_hidden_layers:
+                bad(key, f"{key} names layer {layer}, outside 0..{cfg.num_hidden_layers - 1}")
+    for layer in cfg.kv_source_layer_ids or ():
+        if not cfg.compress_ratios[layer]:
+            bad("kv_source_layer_ids", f"kv_source_layer_ids names layer {layer}, whose compress ratio is 0")
+    if (cfg.engram_layer_ids is None) != (cfg.engram_num_embeddings is None) or \
+            len(cfg.engram_layer_ids or ()) != len(cfg.engram_num_embeddings or ()):
+        bad("engram_num_embeddings", "engram_num_embeddings must have one entry per engram_layer_ids entry")
+    if cfg.index_source_layer_ids is not None and cfg.kv_source_layer_ids is None:
+        bad("index_source_layer_ids", "index_source_layer_ids needs kv_source_layer_ids")
     if not 0 <= cfg.num_hash_layers <= cfg.num_hidden_layers:
         bad("num_hash_layers", f"num_hash_layers ({cfg.num_hash_layers}) must be within 0..num_hidden_layers")
     return cfg
@@ -196,6 +259,13 @@ def load_config_json(path: Path | str, replace: dict | None = None) -> tuple[Mod
         raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a JSON object at the top level")
+    if isinstance(data.get("text_config"), dict):
+        # V4.1 nests its model keys under text_config (V41-REFERENCE §1.1); the spec's flat form of
+        # it is spec/models/deepseek-v4.1-flash.yaml, and nothing runs it yet
+        model_type = data["text_config"].get("model_type", data.get("model_type"))
+        name = UNRUNNABLE.get(str(model_type).removesuffix("_text"), f"a nested config.json (model_type {model_type})")
+        raise SpecError(f"{path}: {name}: the spec counts its tensors, but no backend runs its forward yet "
+                        "(dsv4gen inventory --variant v41-flash); this config.json nests its keys under text_config")
     return config_from_dict({**data, **(replace or {})}, str(path), _json_key_lines(path))
 
 

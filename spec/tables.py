@@ -58,17 +58,42 @@ class When(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     routing: tuple[Literal["hash", "learned"], ...] | None = None
     role: tuple[Role, ...] = ("backbone", "mtp", "dspark")
     stage: Literal["first", "last"] | None = None
+    # layer facts of spec.schedule.LayerInfo (None: either)
+    kv_source: bool | None = None
+    index_source: bool | None = None
+    engram: bool | None = None
+    # config facts (model-level entries too): model_type one of these; these keys set / absent
+    model_type: tuple[str, ...] | None = None
+    config_set: tuple[str, ...] = ()
+    config_unset: tuple[str, ...] = ()
 
-    def matches(self, layer: LayerInfo) -> bool:
+    def matches(self, layer: LayerInfo, cfg: ModelConfig | None = None) -> bool:
+        if not self.matches_config(cfg):
+            return False
         if layer.role not in self.role:
             return False
         if self.attention is not None and layer.attention not in self.attention:
             return False
         if self.routing is not None and layer.routing not in self.routing:
             return False
+        for fact in ("kv_source", "index_source", "engram"):
+            want = getattr(self, fact)
+            if want is not None and getattr(layer, fact) != want:
+                return False
         if self.stage == "first" and layer.stage != 0:
             return False
         return not (self.stage == "last" and not layer.last_stage)
+
+    def matches_config(self, cfg: ModelConfig | None) -> bool:
+        """The config predicates. Without a config (the code generator's per-kind layers, which
+        describe the runnable V4 graph) they are judged for a V4 config: model_type deepseek_v4 and
+        none of the optional V4.1 keys set."""
+        model_type = cfg.model_type if cfg is not None else "deepseek_v4"
+        if self.model_type is not None and model_type not in self.model_type:
+            return False
+        if any(cfg is None or getattr(cfg, key) is None for key in self.config_set):
+            return False
+        return not any(cfg is not None and getattr(cfg, key) is not None for key in self.config_unset)
 
 
 class Entry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -142,6 +167,10 @@ def load_tensor_table(path: Path = SPEC_DIR / "tensors.yaml", quant_path: Path =
         if entry.tensor_class not in table.classes:
             raise SpecError(f"{path}:{line}: unknown class '{entry.tensor_class}' for {entry.key} "
                             f"(accepted: {', '.join(table.classes)})")
+        from spec.config import CONFIG_KEYS
+        for key in (*entry.when.config_set, *entry.when.config_unset):
+            if key not in CONFIG_KEYS:
+                raise SpecError(f"{path}:{line}: when of {entry.key} names unknown config key '{key}'")
         for dim in entry.shape:
             try:
                 unknown = expr.unknown_name(dim, env_names)
@@ -149,20 +178,44 @@ def load_tensor_table(path: Path = SPEC_DIR / "tensors.yaml", quant_path: Path =
                 raise SpecError(f"{path}:{line}: shape of {entry.key}: {err}") from None
             if unknown:
                 raise SpecError(f"{path}:{line}: shape of {entry.key} uses unknown name "
-                                f"'{unknown}' (accepted: config keys, compress_ratio, n_dspark_targets)")
+                                f"'{unknown}' (accepted: config keys, {', '.join(sorted(LAYER_NAMES))})")
     return table
+
+
+# Shape names beyond the config keys: facts of the block (or model) a tensor belongs to.
+LAYER_NAMES = frozenset({"compress_ratio", "n_dspark_targets", "n_block_experts", "engram_rows"})
 
 
 def _shape_names() -> set[str]:
     from spec.config import CONFIG_KEYS
-    return set(CONFIG_KEYS) | {"compress_ratio", "n_dspark_targets"}
+    return set(CONFIG_KEYS) | LAYER_NAMES
+
+
+def block_experts(cfg: ModelConfig, layer: LayerInfo | None) -> int:
+    """Routed experts of a block: V4.1's DSpark stages have their own (dspark_n_routed_experts)."""
+    if layer is not None and layer.role == "dspark" and cfg.dspark_n_routed_experts is not None:
+        return cfg.dspark_n_routed_experts
+    return cfg.n_routed_experts
 
 
 def shape_env(cfg: ModelConfig, layer: LayerInfo | None) -> dict[str, int]:
     env = {k: v for k, v in msgspec.structs.asdict(cfg).items() if isinstance(v, int) and not isinstance(v, bool)}
     env["compress_ratio"] = layer.ratio if layer else 0
     env["n_dspark_targets"] = len(cfg.dspark_target_layer_ids or ())
+    env["n_block_experts"] = block_experts(cfg, layer)
+    if layer is not None and layer.engram:       # this Engram layer's table rows
+        env["engram_rows"] = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer.index)]
     return env
+
+
+# Key placeholders repeated over an index: `{expert}` over the block's routed experts,
+# `{vision_block}` over the vision tower's blocks.
+def _repeats(key: str, cfg: ModelConfig, layer: LayerInfo | None) -> tuple[str | None, range]:
+    if "{expert}" in key:
+        return "{expert}", range(block_experts(cfg, layer))
+    if "{vision_block}" in key:
+        return "{vision_block}", range(cfg.vision_num_hidden_layers or 0)
+    return None, range(0)
 
 
 def resolve_format(entry: Entry, cfg: ModelConfig, quant: QuantSpec) -> str:
@@ -200,7 +253,10 @@ def expand(cfg: ModelConfig, table: TensorTable | None = None, quant: QuantSpec 
     for entry in table.entries:
         fmt_name = resolve_format(entry, cfg, quant)
         fmt = quant.formats[fmt_name]
-        scopes = [None] if entry.scope == "model" else [lay for lay in layers if entry.when.matches(lay)]
+        if entry.scope == "model":
+            scopes = [None] if entry.when.matches_config(cfg) else []
+        else:
+            scopes = [lay for lay in layers if entry.when.matches(lay, cfg)]
         for layer in scopes:
             env = shape_env(cfg, layer)
             try:
@@ -209,10 +265,11 @@ def expand(cfg: ModelConfig, table: TensorTable | None = None, quant: QuantSpec 
                 where = layer.prefix if layer else "model"
                 raise SpecError(f"tensor {entry.key} in {where}: {err}") from None
             prefix = f"{layer.prefix}." if layer else ""
-            experts = range(cfg.n_routed_experts) if "{expert}" in entry.key else [None]
-            for e in experts:
-                key = prefix + (entry.key.replace("{expert}", str(e)) if e is not None else entry.key)
-                out.append(Logical(key, entry, fmt_name, shape, layer, e, stored_parts(key, fmt, shape, cfg)))
+            holder, repeat = _repeats(entry.key, cfg, layer)
+            for e in (repeat if holder else [None]):
+                key = prefix + (entry.key.replace(holder, str(e)) if holder else entry.key)
+                expert = e if holder == "{expert}" else None
+                out.append(Logical(key, entry, fmt_name, shape, layer, expert, stored_parts(key, fmt, shape, cfg)))
     return tuple(out)
 
 

@@ -36,22 +36,23 @@ def _load_family(path: Path) -> tuple[ModelSpec, dict]:
     return decode(data, ModelSpec, str(path), lines), lines
 
 
-def _families() -> list[Path]:
-    return sorted(MODELS_DIR.glob("*.yaml"))
+def _families(models_dir: Path | None = None) -> list[Path]:
+    return sorted((models_dir or MODELS_DIR).glob("*.yaml"))
 
 
-def variants() -> dict[str, tuple[Path, str]]:
-    """Every variant name -> (spec file, doc)."""
+def variants(models_dir: Path | None = None) -> dict[str, tuple[Path, str]]:
+    """Every variant name -> (spec file, doc); `models_dir`: another spec folder's models (diff --spec)."""
     out: dict[str, tuple[Path, str]] = {}
-    for path in _families():
+    for path in _families(models_dir):
         spec, _ = _load_family(path)
         for name, var in spec.variants.items():
             out[name] = (path, var.doc.strip())
     return out
 
 
-def variant_config(name: str, overrides: dict[str, object] | None = None) -> ModelConfig:
-    known = variants()
+def variant_config(name: str, overrides: dict[str, object] | None = None,
+                   models_dir: Path | None = None) -> ModelConfig:
+    known = variants(models_dir)
     if name not in known:
         raise SpecError(f"unknown model variant '{name}' (accepted: {', '.join(sorted(known))})")
     path, _ = known[name]

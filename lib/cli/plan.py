@@ -127,6 +127,9 @@ def cmd_plan(args) -> int:
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
                          f"`--backend all` is for --ops")
+    from spec.config import require_runnable
+    from spec.variants import variant_config
+    require_runnable(variant_config(args.variant))     # V4.1-Flash: no graph to plan for yet
     devices = _devices(args)
     d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,

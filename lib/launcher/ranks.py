@@ -16,6 +16,7 @@ followers' heartbeat counters in the job's store instead (lib/launcher/heartbeat
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import random
@@ -179,23 +180,20 @@ class ReplicatedEngine:
             self._on_close()
 
 
-def launch(spec: LaunchSpec, progress: bool = True):
+def launch(spec: LaunchSpec, progress: bool = True, follower_returns: bool = False):
     """The engine for `spec`: a plain Engine in one process, else a ReplicatedEngine over W processes.
 
-    Under torchrun with more than one rank, only rank 0 returns (the ReplicatedEngine): every other
+    Under torchrun with more than one rank, only rank 0 returns the ReplicatedEngine: every other
     rank follows it until it stops the job, then exits the process (SystemExit(0)), so an entry
-    point never reaches its own work (serving HTTP, printing) there."""
+    point never reaches its own work (serving HTTP, printing) there; with `follower_returns` it
+    returns None instead, so a command that runs several jobs in turn (conformance) goes on to the
+    next one on every rank."""
     world = max(spec.tp, spec.ep)
     job = torchrun.environment()
     if job is not None and max(world, job.world) > 1:
-        return _launch_torchrun(spec, job, progress)
+        return _launch_torchrun(spec, job, progress, follower_returns)
     if world == 1:
-        from lib.engine.llm_engine import Engine
-        from lib.runtime.loaded_model import load_model
-        from lib.text.tokenizer import Tokenizer
-
-        model = load_model(spec.model_path, backend=spec.backend, progress=progress, options=spec.load_options)
-        return Engine(model, spec.engine_config, tokenizer=Tokenizer.from_dir(spec.model_path))
+        return local_engine(spec, progress)
     from lib.weights.checkpoint import Checkpoint
 
     parallel.check_sizes(Checkpoint(spec.model_path).config, spec.tp, spec.ep)   # fail before spawning
@@ -219,8 +217,22 @@ def launch(spec: LaunchSpec, progress: bool = True):
     return ReplicatedEngine(engine, workers, on_close=dist.destroy_process_group)
 
 
-def _launch_torchrun(spec: LaunchSpec, job: torchrun.TorchrunRank, progress: bool):
-    """Join the group torchrun set up and load this rank's shard; rank 0 returns its engine."""
+def local_engine(spec: LaunchSpec, progress: bool = True):
+    """An Engine of `spec` in this process alone (one rank), even inside a torchrun job."""
+    from lib.engine.llm_engine import Engine
+    from lib.runtime.loaded_model import load_model
+    from lib.text.tokenizer import Tokenizer
+
+    model = load_model(spec.model_path, backend=spec.backend, progress=progress, options=spec.load_options)
+    return Engine(model, spec.engine_config, tokenizer=Tokenizer.from_dir(spec.model_path))
+
+
+_jobs = itertools.count()    # torchrun jobs this process has joined: every rank runs the same ones, in turn
+
+
+def _launch_torchrun(spec: LaunchSpec, job: torchrun.TorchrunRank, progress: bool, follower_returns: bool = False):
+    """Join the group torchrun set up and load this rank's shard; rank 0 returns its engine. Each
+    job of the process gets its own scope in the store (group arrival, heartbeats)."""
     import torch
     import torch.distributed as dist
 
@@ -231,19 +243,22 @@ def _launch_torchrun(spec: LaunchSpec, job: torchrun.TorchrunRank, progress: boo
     parallel.check_sizes(Checkpoint(spec.model_path).config, spec.tp, spec.ep)
     if "OMP_NUM_THREADS" not in os.environ:      # this node's ranks share its cores (as spawned workers do)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world))
+    scope = f"{job.attempt}/job{next(_jobs)}"
     parallel.init_process_group(job.rank, world, "env://", join_timeout=JOIN_TIMEOUT_S,
-                                scope=job.attempt)                   # before any weight (L17)
+                                scope=scope)                         # before any weight (L17)
     bind_numa(job.local_rank)
     if job.follower:
-        beat = heartbeat.Beat(job.master_addr, job.master_port, job.rank, job.attempt)
+        beat = heartbeat.Beat(job.master_addr, job.master_port, job.rank, scope)
         try:
             follow(_load(spec, progress=False))
         finally:
             beat.stop()
             dist.destroy_process_group()
         beat.leave()                             # rank 0 tears its side down only after this (heartbeat.py)
+        if follower_returns:
+            return None
         raise SystemExit(0)
-    watcher = heartbeat.Watcher(job.master_addr, job.master_port, range(1, world), job.attempt)
+    watcher = heartbeat.Watcher(job.master_addr, job.master_port, range(1, world), scope)
     try:
         engine = _load(spec, progress)
     except BaseException:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lib.engine.llm_engine import EngineConfig
-from lib.launcher.ranks import LaunchSpec, ReplicatedEngine, launch
+from lib.launcher.ranks import LaunchSpec, ReplicatedEngine, launch, local_engine
 from lib.weights.params import LoadOptions
 from lib.engine.sampling import SamplingParams
 from lib.porting.faults import check as check_injection
@@ -45,7 +45,9 @@ class Agreement(NamedTuple):
 
 def greedy_tokens(model_path: Path, backend: str, prompts, steps: int, *, tp: int = 1, ep: int = 1,
                   dispatch: str = "allgather", speculative: str = "none",
-                  options: LoadOptions = LoadOptions(), inject: str | None = None) -> list[list[int]]:
+                  options: LoadOptions = LoadOptions(), inject: str | None = None) -> list[list[int]] | None:
+    """Greedy tokens of `prompts`; None on a torchrun rank other than 0 (it followed rank 0's job). With TP and
+    EP 1 the engine runs in this process alone, inside a torchrun job too (the one-process reference)."""
     config = EngineConfig(max_num_seqs=len(prompts), speculative=speculative)
     if inject is not None:           # every rank loads with the bug's load-time fault sites (B05, B11)
         inj = check_injection(inject, backend)
@@ -53,7 +55,10 @@ def greedy_tokens(model_path: Path, backend: str, prompts, steps: int, *, tp: in
             raise ValueError(f"{inject} is injected into the generated code or the run path, which the TP/EP check "
                              "does not render; check it without --tensor-parallel-size / --expert-parallel-size")
         options = options._replace(faults=inj.load)
-    engine = launch(LaunchSpec(Path(model_path), backend, options, config, tp, ep, dispatch), progress=False)
+    spec = LaunchSpec(Path(model_path), backend, options, config, tp, ep, dispatch)
+    engine = local_engine(spec, progress=False) if max(tp, ep) == 1 else launch(spec, False, follower_returns=True)
+    if engine is None:
+        return None
     try:
         params = SamplingParams(max_tokens=steps, ignore_eos=True)
         return [list(r.output) for r in engine.generate([list(p) for p in prompts], params)]

@@ -1,19 +1,25 @@
 """`dsv4gen diff`: review a port as tables, not as code.
 
 Two backends: per graph op and per tensor class, how each lowers it (implementation, device ops,
-runtime format; a fused kernel's lowering with the shapes that choose it) and which lessons each handles. Two spec versions: the unified diff of one
-backend's generated code and plan, rendered from each.
+runtime format; a fused kernel's lowering with the shapes that choose it) and which lessons each handles. Two spec versions: what changed in the model variants
+(added, removed, config keys and inventory totals; an added variant is compared with its nearest
+variant of the old spec), then the unified diff of one backend's generated code and plan, rendered
+from each.
 """
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 
 from codegen.build import render
 from spec.fused import describe
 from spec.graph import load_graph
 from spec.profile import Profile, load_profile
-from spec.tables import load_tensor_table
+from spec.config import ModelConfig
+from spec.tables import expand, load_quant, load_tensor_table
+from spec.variants import variant_config, variants
+from spec.yamlio import SpecError
 
 
 def _lowering_rows(profile: Profile) -> dict[str, str]:
@@ -59,8 +65,68 @@ def backend_diff(a: str, b: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _show(value) -> str:
+    return "-" if value is None else str(value).replace("'", "")
+
+
+def config_rows(a: ModelConfig, b: ModelConfig) -> list[tuple[str, str, str]]:
+    """(key, a's value, b's value) for every config key whose values differ ("-": absent)."""
+    da, db = a.to_json_dict(), b.to_json_dict()
+    return [(k, _show(da.get(k)), _show(db.get(k))) for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
+
+
+def _totals(cfg: ModelConfig, spec_dir: Path) -> str:
+    quant = load_quant(spec_dir / "quant.yaml")
+    parts = [p for t in expand(cfg, load_tensor_table(spec_dir / "tensors.yaml", spec_dir / "quant.yaml"), quant)
+             for p in t.parts]
+    size = sum(quant.dtypes[p.dtype].bytes * math.prod(p.shape) for p in parts)
+    return f"{len(parts):,} tensors, {size:,} bytes"
+
+
+def variant_diff(old: Path, new: Path) -> list[str]:
+    """Model variants of two spec folders: added (against the old variant with the fewest differing
+    config keys), removed, and changed ones, as config-key tables with inventory totals."""
+    def configs(spec_dir: Path) -> dict[str, ModelConfig | str]:
+        out = {}
+        for name in variants(spec_dir / "models"):
+            try:
+                out[name] = variant_config(name, models_dir=spec_dir / "models")
+            except SpecError as err:
+                out[name] = f"unreadable here: {err}"
+        return out
+
+    before, after = configs(Path(old)), configs(Path(new))
+    lines: list[str] = []
+    for name in sorted(set(before) | set(after)):
+        a, b = before.get(name), after.get(name)
+        if isinstance(a, str) or isinstance(b, str):
+            lines += [f"variant {name}: {a if isinstance(a, str) else b}", ""]
+            continue
+        if b is None:
+            lines += [f"variant {name}: removed", ""]
+            continue
+        base = name
+        if a is None:
+            readable = {n: c for n, c in before.items() if not isinstance(c, str)}
+            if not readable:
+                lines += [f"variant {name}: added", ""]
+                continue
+            base = min(readable, key=lambda n: (len(config_rows(readable[n], b)), n))
+            a = readable[base]
+        rows = config_rows(a, b)
+        if not rows:
+            continue
+        title = (f"variant {name}: added; compared with {base} of the old spec" if base != name
+                 else f"variant {name}: changed")
+        lines += [f"{title} ({len(rows)} config keys differ)"]
+        lines += _table("config key", base, name, rows)
+        lines += [f"  inventory: {base} {_totals(a, Path(old))}; {name} {_totals(b, Path(new))}", ""]
+    return lines
+
+
 def spec_diff(old: Path, new: Path, backend: str) -> str:
-    """Unified diff of the backend's generated files rendered from two spec folders."""
+    """What changed in the model variants, then the unified diff of the backend's generated files
+    rendered from two spec folders."""
     before, after = render(backend, Path(old)), render(backend, Path(new))
     out = []
     for name in sorted(set(before) | set(after)):
@@ -68,4 +134,5 @@ def spec_diff(old: Path, new: Path, backend: str) -> str:
                                     after.get(name, "").splitlines(keepends=True),
                                     fromfile=f"{old}/{backend}/_generated/{name}",
                                     tofile=f"{new}/{backend}/_generated/{name}")
-    return "".join(out) or f"no change to backend {backend}'s generated code or plan\n"
+    models = "".join(line + "\n" for line in variant_diff(Path(old), Path(new)))
+    return models + ("".join(out) or f"no change to backend {backend}'s generated code or plan\n")

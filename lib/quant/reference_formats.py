@@ -29,6 +29,11 @@ def decode_fp8_block(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.
     return codecs.dequant_fp8_block(parts["weight"], parts["scale"], block=block)
 
 
+def decode_fp8_row32(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    # one scale per row per 32 channels: an FP8 block of 1 x 32 (V4.1's Engram tables)
+    return codecs.dequant_fp8_block(parts["weight"], parts["scale"], block=(1, 32))
+
+
 def decode_mxfp4(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     return codecs.dequant_fp4_expert(parts["weight"], parts["scale"], group=32)
 
@@ -76,6 +81,11 @@ def encode_i64(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def encode_fp8_block(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     weight, scale = codecs.quant_fp8_block(x.float(), block=tuple(cfg.quantization_config.weight_block_size))
+    return {"weight": weight, "scale": scale}
+
+
+def encode_fp8_row32(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    weight, scale = codecs.quant_fp8_block(x.float(), block=(1, 32))
     return {"weight": weight, "scale": scale}
 
 

@@ -246,3 +246,27 @@ def test_dsv4gen_run_on_two_nodes_prints_once_what_one_process_prints(tiny_ckpt,
     assert codes == [0, 0], nodes[0].text()[-3000:] + nodes[1].text()[-3000:]
     assert nodes[0].stdout() == single and nodes[1].stdout() == ""
     assert "[run cpu] loading" in nodes[0].stderr() and "[run cpu]" not in nodes[1].stderr()   # rank 1 says nothing
+
+
+def test_dsv4gen_conformance_on_two_nodes_checks_tp2_against_one_process(tiny_ckpt, tmp_path):
+    """conformance --tensor-parallel-size 2 under torchrun: rank 0 decodes the one-process reference and
+    reports; both ranks take part in one TP job per speculative mode (two jobs in one torchrun run)."""
+    script = Path(sys.executable).parent / "dsv4gen"
+    if not script.is_file():
+        pytest.skip("the dsv4gen console script is not installed (pip install -e .)")
+    flags = ["conformance", "--backend", "hip936", "--model", str(tiny_ckpt), "--tp", "2", "--steps", "6"]
+    master, nodes = _free_port(), []
+    try:
+        for rank in (0, 1):
+            nodes.append(Node(rank, master, ["--no-python", str(script), *flags], tmp_path / f"node{rank}.log"))
+        codes = [node.agent.wait(timeout=STARTUP_S) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert codes == [0, 0], nodes[0].text()[-3000:] + nodes[1].text()[-3000:]
+    lines = nodes[0].stdout().splitlines()
+    assert lines[-1] == "PASS" and nodes[1].stdout() == ""
+    assert [line for line in lines if "greedy tokens vs one process" in line] == [
+        "TP=2 EP=1 alltoall (none): 18 greedy tokens vs one process: identical",
+        "TP=2 EP=1 alltoall (dspark): 18 greedy tokens vs one process: identical"]
+    assert "2 ranks in torchrun's processes" in nodes[0].stderr()

@@ -53,6 +53,21 @@ def test_clean_conformance_passes(tiny_ckpt, references, backend):
     assert qualifying >= 16, f"only {qualifying}/32 steps are decisive: {top1}"     # most steps qualify
 
 
+@pytest.fixture(scope="module")
+def pro_tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("pro") / "ckpt", variant="pro-tiny")
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_pro_shaped_checkpoint_passes_conformance(pro_tiny, backend):
+    """V4-Pro's schedule (HCA first, no sliding-only layer) and its MTP drafter, at tiny widths: the same
+    checks pass, the engine drafting with the MTP layer as losslessly as with DSpark."""
+    report = conformance.run(backend, pro_tiny, steps=16)
+    assert report.passed, "\n" + report.table()
+    names = [c.name for c in report.checks]
+    assert any(n.startswith("attention hca") for n in names) and "engine: mtp == plain greedy" in names
+
+
 # injections only one check can see: detection must come from that check, not from a side effect
 DETECTED_BY = {"B17": "draft logits finite", "B20": "engine (dspark) under guard"}
 

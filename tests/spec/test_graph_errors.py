@@ -31,12 +31,12 @@ def test_graph_unknown_op(tmp_path):
 
 def test_graph_unbound_port(tmp_path):
     p = graph(tmp_path, ADD_STEP, ADD_STEP.replace(", b: shared", ""))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add': argument 'b' is not bound"
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add': argument 'b' is not bound"
 
 
 def test_graph_extra_arg(tmp_path):
     p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("b: shared", "b: shared, c: x"))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add' has no argument 'c' (accepted: a, b)"
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add' has no argument 'c' (accepted: a, b)"
 
 
 def test_graph_missing_attr(tmp_path):
@@ -46,7 +46,7 @@ def test_graph_missing_attr(tmp_path):
 
 def test_graph_wrong_number_of_outputs(tmp_path):
     p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("out: [out]", "out: [out, extra]"))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add')}: op 'add' has 1 output (y), step binds 2"
+    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add' has 1 output (y), step binds 2"
 
 
 def test_graph_attr_unknown_config_key(tmp_path):
@@ -61,7 +61,8 @@ def test_graph_attr_unknown_layer_field(tmp_path):
               "attrs: {window: cfg.sliding_window, ratio: layer.ratios}")
     assert error_of(load_graph, p) == (
         f"{p}:{line(p, '  - op: sparse_attention')}: attr 'ratio': unknown layer field 'ratios' in 'layer.ratios' "
-        "(accepted: index, prefix, role, attention, ratio, routing, rope, stage, last_stage)")
+        "(accepted: index, prefix, role, attention, ratio, routing, rope, stage, last_stage, "
+        "kv_source, index_source, candidate_source, engram)")
 
 
 def test_graph_attr_unknown_root(tmp_path):
@@ -74,14 +75,14 @@ def test_graph_attr_unknown_root(tmp_path):
 def test_graph_step_unknown_key(tmp_path):
     p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("args:", "arg:"))
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, '{op: add')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, tap_layers) "
+        f"{p}:{line(p, '{op: add,')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, tap_layers) "
         "at 'programs.ffn.steps.4.arg'")
 
 
 def test_graph_unknown_program(tmp_path):
     p = graph(tmp_path, "{call: ffn, args", "{call: fnn, args")
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, draft, draft_context, ffn, model, ring_entry)")
+        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, draft, draft_context, ffn, model, mtp_draft, ring_entry)")
 
 
 def test_graph_reads_value_defined_later(tmp_path):

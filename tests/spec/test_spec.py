@@ -47,7 +47,7 @@ def test_every_spec_file_loads():
 
 
 def test_variants_listed():
-    assert set(variants()) == {"flash-0731", "flash-preview", "tiny", "pro", "pro-tiny"}
+    assert set(variants()) == {"flash-0731", "flash-preview", "tiny", "pro", "pro-tiny", "v41-flash"}
     assert all(doc for _, doc in variants().values())
 
 
@@ -168,7 +168,7 @@ def test_inventory_unknown_variant(capsys):
     assert cli(["inventory", "--variant", "flash-9999"]) == 2
     assert capsys.readouterr().err == (
         "dsv4gen inventory: error: unknown model variant 'flash-9999' "
-        "(accepted: flash-0731, flash-preview, pro, pro-tiny, tiny)\n")
+        "(accepted: flash-0731, flash-preview, pro, pro-tiny, tiny, v41-flash)\n")
 
 
 # ---------------------------------------------------------------- shapes and TP (DSV4-REFERENCE §4.3-4.4)
@@ -207,7 +207,8 @@ def test_drafter_shares_embed_and_head(flash_stored):
 
 
 ROWS = ("attn.wq_b.weight", "attn.indexer.wq_b.weight", "attn.wo_a.weight", "attn.attn_sink",
-        "attn.indexer.weights_proj.weight", "embed.weight", "head.weight")
+        "attn.indexer.weights_proj.weight", "embed.weight", "head.weight",
+        "engram.embed.weight")     # V4.1: the reference shards the Engram table by row ranges
 
 
 def expected_tp(key: str) -> str:

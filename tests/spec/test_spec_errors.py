@@ -41,7 +41,7 @@ def test_tensors_unknown_format(tmp_path):
     p = tensors(tmp_path, "format: bf16, tp: rows, class: head}", "format: bf61, tp: rows, class: head}")
     assert error_of(load_tensor_table, p) == (
         f"{p}:{line(p, 'bf61')}: unknown format 'bf61' for head.weight "
-        "(accepted: bf16, f32, fp8_block, i64, mxfp4, routed_expert, w4a8_dynamic, w4a8_dynamic_down, w8a8_dynamic)")
+        "(accepted: bf16, f32, fp8_block, fp8_row32, i64, mxfp4, routed_expert, w4a8_dynamic, w4a8_dynamic_down, w8a8_dynamic)")
 
 
 def test_tensors_unknown_class(tmp_path):
@@ -54,7 +54,7 @@ def test_tensors_shape_unknown_name(tmp_path):
     p = tensors(tmp_path, "shape: [q_lora_rank, hidden_size]", "shape: [q_lora_rank, hiden_size]")
     assert error_of(load_tensor_table, p) == (
         f"{p}:{line(p, 'hiden_size')}: shape of attn.wq_a.weight uses unknown name 'hiden_size' "
-        "(accepted: config keys, compress_ratio, n_dspark_targets)")
+        "(accepted: config keys, compress_ratio, engram_rows, n_block_experts, n_dspark_targets)")
 
 
 def test_tensors_shape_unparsable(tmp_path):
@@ -111,7 +111,7 @@ def test_tensors_when_attention_mla(tmp_path):
     p = tensors(tmp_path, "when: {attention: [hca]}, shape: [compress_ratio, head_dim]",
                 "when: {attention: [mla]}, shape: [compress_ratio, head_dim]")
     assert error_of(load_tensor_table, p) == (
-        f"{p}:{line(p, '[mla]')}: invalid enum value 'mla' (accepted: swa, csa, hca, dspark) "
+        f"{p}:{line(p, '[mla]')}: invalid enum value 'mla' (accepted: swa, csa, hca, dspark, csa2, csa1) "
         "at 'entries.22.when.attention.0'")
 
 
@@ -119,7 +119,8 @@ def test_tensors_when_unknown_key(tmp_path):
     p = tensors(tmp_path, "when: {attention: [hca]}, shape: [compress_ratio, head_dim]",
                 "when: {atention: [hca]}, shape: [compress_ratio, head_dim]")
     assert error_of(load_tensor_table, p) == (
-        f"{p}:{line(p, 'atention')}: unknown key 'atention' (accepted: attention, routing, role, stage) "
+        f"{p}:{line(p, 'atention')}: unknown key 'atention' (accepted: attention, routing, role, stage, "
+        "kv_source, index_source, engram, model_type, config_set, config_unset) "
         "at 'entries.22.when.atention'")
 
 
@@ -149,7 +150,7 @@ def test_quant_selected_unknown_format(tmp_path):
     p = edit(QUANT, tmp_path / "quant.yaml", "fp8: fp8_block}", "fp8: fp8_blocks}")
     assert error_of(load_quant, p) == (
         f"{p}:{line(p, 'fp8_blocks')}: choice 'fp8' of 'routed_expert' names unknown format 'fp8_blocks' "
-        "(accepted: bf16, f32, i64, fp8_block, mxfp4, w8a8_dynamic, w4a8_dynamic, w4a8_dynamic_down)")
+        "(accepted: bf16, f32, i64, fp8_block, fp8_row32, mxfp4, w8a8_dynamic, w4a8_dynamic, w4a8_dynamic_down)")
 
 
 # ---------------------------------------------------------------- spec/models/*.yaml

@@ -1,0 +1,289 @@
+"""DeepSeek-V4.1-Flash as a spec change: its config, layer schedule and tensor inventory come from
+spec/models/deepseek-v4.1-flash.yaml and the shared tensor table, and reproduce the published
+checkpoint totals and subsystem breakdown; loading it or generating code for it refuses clearly.
+
+Sources (as cited by the project's V4.1 reference notes, §0 there):
+  [REL] pinned release record (config scalars, sha256s, tensor/byte totals), code-index id 68878548201
+  [TST] tensor-contract tests against the 48 shard headers, code-index id 68876579790
+  [MAN] "DeepSeeker" storage summary of revision dba1be0a, code-index id 68882252707
+  [UPN] upstream architecture notes (tnsr), code-index id 68323347095
+  [W4G] third-party V4.1 W4A8 msModelSlim reproduction guide, code-index id 69626110056
+  [VIS] vision tower port, code-index id 65932257942
+  [MP]  vendored official inference/model.py, code-index id 70871433627
+"""
+import json
+import math
+import re
+
+import pytest
+
+from codegen.build import generated_dir
+from lib.cli.main import main as cli
+from lib.weights.checkpoint import Checkpoint, CheckpointError
+from spec.config import RankConfig, forward_refusal, load_config_json
+from spec.schedule import backbone, drafter, schedule
+from spec.tables import expand, load_quant
+from spec.variants import variant_config
+from spec.yamlio import SpecError
+
+REFUSAL = "DeepSeek-V4.1-Flash: the spec counts its tensors, but no backend runs its forward yet"
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return variant_config("v41-flash")
+
+
+@pytest.fixture(scope="module")
+def v41_stored(v41):
+    """Official key -> Stored for every safetensors tensor of v41-flash."""
+    return {part.key: part for t in expand(v41) for part in t.parts}
+
+
+def _group(key: str) -> str:
+    """The subsystem of a tensor, as [MAN]'s breakdown groups them."""
+    if key.startswith("mtp."):
+        return "mtp"
+    if ".ffn.experts." in key:
+        return "routed experts"
+    if ".engram." in key:
+        return "engram"
+    if key.startswith(("vision.", "aligner.")):
+        return "vision"
+    if key.startswith(("embed.", "image_")):
+        return "embed"
+    if key.startswith("head."):
+        return "head"
+    if ".attn.compressor." in key or ".attn.indexer." in key:
+        return "compressor + indexer"
+    if ".attn." in key:
+        return "attention"
+    if ".ffn.shared_experts." in key:
+        return "shared experts"
+    if ".ffn.gate." in key:
+        return "router"
+    if re.search(r"(^|\.)hc_", key):
+        return "mhc"
+    assert key.endswith("norm.weight"), key
+    return "norms"
+
+
+@pytest.fixture(scope="module")
+def groups(v41_stored):
+    dtype_bytes = {name: d.bytes for name, d in load_quant().dtypes.items()}
+    out: dict[str, list[int]] = {}
+    for key, part in v41_stored.items():
+        tally = out.setdefault(_group(key), [0, 0])
+        tally[0] += 1
+        tally[1] += math.prod(part.shape) * dtype_bytes[part.dtype]
+    return {k: tuple(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- totals (V41-REFERENCE §2.1)
+
+def test_inventory_v41_flash_json(capsys):
+    assert cli(["inventory", "--variant", "v41-flash", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # 96,085 weight_map entries and metadata.total_size 510,286,023,000 of the published
+    # model.safetensors.index.json: [REL] code-index id 68878548201, agreeing [TST] id 68876579790,
+    # [MAN] id 68882252707, [UPN] id 68323347095
+    assert (got["all"]["tensors"], got["all"]["bytes"]) == (96_085, 510_286_023_000)
+    # all mtp.* tensors: 2,401 [W4G] id 69626110056; the bytes are the sum of [MAN]'s mtp rows
+    # (experts 7,219,445,760 + shared 106,272,000 + router 3,935,232 + other 591,424,512) and its
+    # 18 mtp mHC tensors (169,092,168 - 157,295,040 of the backbone's 240): [MAN] id 68882252707
+    assert (got["mtp"]["tensors"], got["mtp"]["bytes"]) == (2_401, 7_932_874_632)
+    # dtypes present: BF16, F32, F8_E4M3, F8_E8M0, I8 [TST]; F8_E4M3 = the 355 dense FP8 linears
+    # ([TST][MP]) + the 2 Engram tables. The other counts are the spec's own.
+    assert got["all"]["dtypes"] == {"BF16": 520, "F32": 387, "F8_E4M3": 357, "F8_E8M0": 47_589, "I8": 47_232}
+
+
+def test_inventory_v41_flash_human_readable(capsys):
+    assert cli(["inventory", "--variant", "v41-flash"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "v41-flash: 96,085 tensors, 510,286,023,000 bytes"
+
+
+def test_subsystem_breakdown(groups):
+    """[MAN]'s subsystem breakdown (code-index id 68882252707), which sums exactly to the total."""
+    # routed experts: 40 layers x 384 experts x 3 x {weight, scale} [MAN]
+    assert groups["routed experts"] == (92_160, 288_777_830_400)
+    # Engram: 2 layers x {embed.weight, embed.scale, wkv.weight, wkv.scale, q_weight, k_weight} [MAN]
+    assert groups["engram"] == (12, 203_073_076_240)
+    # vision tower + aligner: 263 tensors [TST][VIS][MAN]; with the 3 image_* rows 266 tensors,
+    # 970,536,960 bytes [W4G][MAN]
+    assert groups["vision"] == (263, 970_506_240)
+    assert groups["vision"][1] + 3 * 5120 * 2 == 970_536_960
+    image = [k for k in groups if k == "embed"]
+    assert image and groups["embed"] == (4, 1_323_857_920)          # embed (+3 image_*) [MAN]
+    # all mtp.* [W4G] (count), [MAN] (bytes, see test_inventory_v41_flash_json)
+    assert groups["mtp"] == (2_401, 7_932_874_632)
+    # the remaining rows of [MAN]'s table
+    assert groups["attention"] == (520, 5_069_721_600)              # 40 x 13
+    assert groups["shared experts"] == (240, 1_416_960_000)
+    assert groups["head"] == (1, 1_323_827_200)
+    assert groups["router"] == (120, 157_409_280)                   # 40 x {weight, bias, bias_vl}
+    assert groups["compressor + indexer"] == (43, 81_835_008)
+    assert groups["norms"] == (81, 829_440)                         # attn_norm, ffn_norm, final
+    # mHC: backbone 240 here + the 18 mtp ones (counted under mtp) = 258 / 169,092,168 [MAN]
+    assert groups["mhc"] == (240, 157_295_040)
+    assert sum(n for n, _ in groups.values()) == 96_085
+    assert sum(b for _, b in groups.values()) == 510_286_023_000
+
+
+# ---------------------------------------------------------------- shapes (V41-REFERENCE §2.2-2.3)
+
+@pytest.mark.parametrize("key, shape, dtype", [
+    # [TST] id 68876579790: layers.0.attn.wq_b.scale is [1024, 40] (32 x 32 FP8 blocks)
+    ("layers.0.attn.wq_b.weight", (32768, 1280), "F8_E4M3"),
+    ("layers.0.attn.wq_b.scale", (1024, 40), "F8_E8M0"),
+    ("layers.0.attn.wo_a.scale", (256, 128), "F8_E8M0"),
+    # routed experts (MXFP4) [TST][MP][MAN]
+    ("layers.5.ffn.experts.383.w1.weight", (2304, 2560), "I8"),
+    ("layers.5.ffn.experts.383.w1.scale", (2304, 160), "F8_E8M0"),
+    ("layers.5.ffn.experts.0.w2.weight", (5120, 1152), "I8"),
+    ("layers.5.ffn.experts.0.w2.scale", (5120, 72), "F8_E8M0"),
+    ("layers.7.ffn.gate.bias_vl", (384,), "F32"),
+    # KV- and index-source layers [TST][MAN]
+    ("layers.2.attn.compressor.wgate.weight", (512, 5120), "BF16"),
+    ("layers.20.attn.compressor.wkv.weight", (512, 5120), "BF16"),
+    ("layers.20.attn.indexer.wk.weight", (128, 512), "BF16"),
+    ("layers.20.attn.indexer.k_norm.weight", (128,), "BF16"),
+    ("layers.24.attn.indexer.wq_b.weight", (4096, 1280), "F8_E4M3"),
+    ("layers.24.attn.indexer.weights_proj.weight", (32, 5120), "BF16"),
+    # Engram [TST][MAN] (per-row 32-channel scales: [TST], TensorFold CUDA spec id 71186709713)
+    ("layers.1.engram.embed.weight", (384_006_168, 256), "F8_E4M3"),
+    ("layers.1.engram.embed.scale", (384_006_168, 8), "F8_E8M0"),
+    ("layers.14.engram.embed.weight", (384_016_682, 256), "F8_E4M3"),
+    ("layers.14.engram.wkv.weight", (25600, 6144), "F8_E4M3"),
+    ("layers.14.engram.wkv.scale", (800, 192), "F8_E8M0"),
+    ("layers.1.engram.q_weight", (4, 5120), "BF16"),
+    # DSpark [TST][MAN]
+    ("mtp.0.main_proj.scale", (160, 480), "F8_E8M0"),
+    ("mtp.1.ffn.gate.weight", (128, 5120), "BF16"),
+    ("mtp.1.ffn.experts.127.w3.weight", (2304, 2560), "I8"),
+    ("mtp.2.markov_head.embed.weight", (129280, 256), "BF16"),
+    ("mtp.2.markov_head.head.weight", (129280, 256), "BF16"),
+    ("mtp.2.confidence_head.proj.weight", (1, 5376), "BF16"),
+    # image rows and vision [TST][VIS][MAN]
+    ("image_newline", (5120,), "BF16"),
+    ("vision.patch_embed.proj.weight", (1024, 588), "BF16"),
+    ("vision.blocks.31.attn.wqkv.weight", (3072, 1024), "BF16"),
+    ("vision.blocks.0.mlp.w1.weight", (5632, 1024), "BF16"),
+    ("aligner.w1.weight", (5120, 9216), "BF16"),
+])
+def test_stored_shapes_v41(v41_stored, key, shape, dtype):
+    assert (v41_stored[key].shape, v41_stored[key].dtype) == (shape, dtype)
+
+
+def test_v4_only_tensors_absent(v41_stored):
+    keys = set(v41_stored)
+    # no hc_head anywhere, no hash routing, no ape, no indexer compressor, V4's Markov names gone [TST]
+    assert not [k for k in keys if "hc_head" in k or "tid2eid" in k or ".ape" in k
+                or "indexer.compressor" in k or "markov_w" in k]
+    assert "mtp.128" not in keys and "mtp.1.ffn.experts.128.w1.weight" not in keys
+    assert "layers.8.attn.compressor.wgate.weight" in keys and "layers.20.attn.compressor.wgate.weight" not in keys
+    assert not [k for k in keys if k.startswith("layers.3.attn.") and ("compressor" in k or "indexer" in k)]
+
+
+# ---------------------------------------------------------------- schedule (V41-REFERENCE §1.4)
+
+def test_schedule_v41(v41):
+    layers = backbone(v41)
+    assert len(layers) == 40 and [s.prefix for s in drafter(v41)] == ["mtp.0", "mtp.1", "mtp.2"]
+    assert [lay.index for lay in layers if lay.attention == "swa"] == [0, 1]
+    assert [lay.index for lay in layers if lay.attention == "csa2"] == list(range(2, 20))
+    assert [lay.index for lay in layers if lay.attention == "csa1"] == list(range(20, 40))
+    assert [lay.index for lay in layers if lay.kv_source] == [2, 8, 14, 20]
+    assert [lay.index for lay in layers if lay.index_source] == [2, 8, 14, 20, 24, 28, 32, 36]
+    assert [lay.index for lay in layers if lay.candidate_source] == [20]
+    assert [lay.index for lay in layers if lay.engram] == [1, 14]
+    assert all(lay.routing == "learned" for lay in schedule(v41))          # num_hash_layers absent
+    assert all(s.role == "dspark" and not (s.kv_source or s.index_source or s.engram) for s in drafter(v41))
+
+
+def test_v4_schedule_facts_keep_their_meaning():
+    """Every V4 compressed layer owns its compressor and every CSA layer its indexer."""
+    for name in ("flash-0731", "pro"):
+        for lay in schedule(variant_config(name)):
+            assert lay.attention in ("swa", "csa", "hca", "dspark")
+            assert lay.kv_source == (lay.attention in ("csa", "hca"))
+            assert lay.index_source == (lay.attention == "csa")
+            assert not lay.engram and not lay.candidate_source
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_rank_config_refuses_v41(v41):
+    assert forward_refusal(v41) == REFUSAL
+    assert forward_refusal(variant_config("flash-0731")) is None
+    with pytest.raises(SpecError, match=REFUSAL):
+        RankConfig.of(v41)
+
+
+def _nested_config(root):
+    """A V4.1 release-style config.json: the model keys nested under text_config (V41-REFERENCE §1.1)."""
+    root.mkdir(parents=True, exist_ok=True)
+    text = {k: v for k, v in variant_config("v41-flash").to_json_dict().items()
+            if k not in ("quantization_config", "architectures", "model_type", "image_token_id")}
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "image_token_id": 129264,
+        "text_config": {**text, "model_type": "deepseek_v41_text"}, "vision_config": {"hidden_size": 1024},
+    }), encoding="utf-8")
+    return root
+
+
+def test_nested_config_json_refuses(tmp_path):
+    root = _nested_config(tmp_path / "v41")
+    with pytest.raises(SpecError, match=REFUSAL):
+        load_config_json(root / "config.json")
+    with pytest.raises(CheckpointError, match=REFUSAL):
+        Checkpoint(root)
+
+
+def test_load_model_refuses_v41(tmp_path):
+    from lib.runtime.loaded_model import load_model
+    with pytest.raises(CheckpointError, match=REFUSAL):
+        load_model(_nested_config(tmp_path / "v41"))
+
+
+def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys):
+    root = _nested_config(tmp_path / "v41")
+    out = tmp_path / "logits.npy"
+    assert cli(["logits", "--model", str(root), "--ids", "1,2,3", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    error = [line for line in captured.err.splitlines() if line.startswith("dsv4gen logits: error: ")]
+    assert len(error) == 1 and REFUSAL in error[0]
+    assert "Traceback" not in captured.err and captured.out == "" and not out.exists()
+
+
+def test_plan_lists_runnable_variants_only():
+    # ascend910's PLAN.md has a fused-kernel table (one row per variant); no PLAN.md names v41-flash
+    assert "flash-0731" in (generated_dir("ascend910") / "PLAN.md").read_text(encoding="utf-8")
+    for backend in ("cpu", "ascend910", "ascend310p", "hip936"):
+        assert "v41-flash" not in (generated_dir(backend) / "PLAN.md").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- dsv4gen diff --spec
+
+def test_spec_diff_reads_as_v41_config_differences(tmp_path):
+    import shutil
+
+    from lib.porting.review_diff import variant_diff
+    from spec.tables import SPEC_DIR
+
+    old = tmp_path / "old"
+    shutil.copytree(SPEC_DIR, old)
+    (old / "models" / "deepseek-v4.1-flash.yaml").unlink()
+    lines = variant_diff(old, SPEC_DIR)
+    assert lines[0].startswith("variant v41-flash: added; compared with flash-0731 of the old spec")
+    rows = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("* ")}
+    assert rows["hidden_size"] == ["4096", "5120"] and rows["num_hash_layers"] == ["3", "0"]
+    assert rows["kv_source_layer_ids"][0] == "-" and rows["model_type"] == ["deepseek_v4", "deepseek_v41"]
+    assert "num_attention_heads" not in rows and "vocab_size" not in rows        # unchanged keys stay out
+    assert lines[-2] == ("  inventory: flash-0731 72,317 tensors, 166,878,536,440 bytes; "
+                         "v41-flash 96,085 tensors, 510,286,023,000 bytes")
+    assert variant_diff(SPEC_DIR, SPEC_DIR) == []
+
+
+def test_plan_refuses_v41(capsys):
+    assert cli(["plan", "--variant", "v41-flash", "--backend", "ascend910"]) == 2
+    assert capsys.readouterr().err == f"dsv4gen plan: error: {REFUSAL}\n"
