@@ -12,7 +12,8 @@ from typing import Literal
 
 import msgspec
 
-from spec.tables import SPEC_DIR, Logical, load_quant, load_tensor_table
+from spec.config import ModelConfig
+from spec.tables import SPEC_DIR, Logical, expand, load_quant, load_tensor_table, with_format
 from spec.yamlio import SpecError, decode, load_yaml
 
 Label = Literal["FLOAT", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
@@ -42,12 +43,18 @@ class Recipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classes: dict[str, Label]                   # tensor class -> label; unnamed classes are FLOAT
 
 
+class Part(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    prefix: str | None = None                   # keys starting with it
+    classes: tuple[str, ...] = ()               # ... or tensors of these classes
+
+
 class ModelSlimSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     files: Files
     labels: dict[Label, LabelSpec]
     down_projections: tuple[str, ...]
     quantisable: tuple[str, ...]
     recipes: dict[str, Recipe]
+    parts: dict[str, Part]                      # an export's parts; "backbone" is every other key
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +67,8 @@ def load_msmodelslim(path: Path = SPEC_DIR / "msmodelslim.yaml") -> ModelSlimSpe
     for fmt in named:
         if fmt not in formats:
             raise SpecError(f"{path}: names storage format '{fmt}', which quant.yaml does not define")
-    for cls in (*spec.quantisable, *(c for r in spec.recipes.values() for c in r.classes)):
+    for cls in (*spec.quantisable, *(c for r in spec.recipes.values() for c in r.classes),
+                *(c for part in spec.parts.values() for c in part.classes)):
         if cls not in classes:
             raise SpecError(f"{path}: names tensor class '{cls}', which tensors.yaml does not define")
     return spec
@@ -91,3 +99,23 @@ def recipe_label(logical: Logical, recipe: str) -> str:
     if recipe not in spec.recipes:
         raise SpecError(f"unknown ModelSlim quant type '{recipe}' (accepted: {', '.join(spec.recipes)})")
     return spec.recipes[recipe].classes.get(logical.entry.tensor_class, "FLOAT")
+
+
+def part_of(logical: Logical) -> str:
+    """Which part of an export a tensor belongs to ("backbone" unless a part claims it)."""
+    for name, part in load_msmodelslim().parts.items():
+        if (part.prefix and logical.key.startswith(part.prefix)) or logical.entry.tensor_class in part.classes:
+            return name
+    return "backbone"
+
+
+def export_inventory(cfg: ModelConfig, recipe: str) -> dict[str, dict[str, int]]:
+    """Saved keys per part and quant type of the ModelSlim export `recipe` writes for this config, from
+    the spec alone: part -> label -> keys (a quantised linear saves its weight and its sibling tensors)."""
+    out: dict[str, dict[str, int]] = {}
+    for t in expand(cfg):
+        label = recipe_label(t, recipe)
+        keys = len(with_format(t, format_for(t, label), cfg).parts)
+        counts = out.setdefault(part_of(t), {})
+        counts[label] = counts.get(label, 0) + keys
+    return out

@@ -287,3 +287,19 @@ def test_spec_diff_reads_as_v41_config_differences(tmp_path):
 def test_plan_refuses_v41(capsys):
     assert cli(["plan", "--variant", "v41-flash", "--backend", "ascend910"]) == 2
     assert capsys.readouterr().err == f"dsv4gen plan: error: {REFUSAL}\n"
+
+
+def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):
+    """The key counts of the field's V4.1 W4A8_DYNAMIC release (the 910 field report, §1 and §1.2: its
+    index holds backbone 185,734 keys, W4A8_DYNAMIC 184,320 / W8A8_DYNAMIC 744 / FLOAT 670, the DSpark
+    draft `mtpq` 4,718 and vision 266), from the spec and spec/msmodelslim.yaml alone."""
+    from lib.cli.main import main
+
+    assert main(["inventory", "--variant", "v41-flash", "--msmodelslim", "w4a8", "--json"]) == 0
+    parts = json.loads(capsys.readouterr().out)["parts"]
+    assert parts["backbone"] == {"W4A8_DYNAMIC": 184_320, "W8A8_DYNAMIC": 744, "FLOAT": 670}
+    assert sum(parts["vision"].values()) == 266
+    # the release's draft: 1,152 W4A8 and 18 W8A8 linears and 56 FLOAT tensors "incl. the vocabulary";
+    # the spec's drafter has no vocabulary copy (embed and head are shared, B16), so 2 FLOAT keys fewer
+    assert parts["drafter"] == {"W4A8_DYNAMIC": 1_152 * 4, "W8A8_DYNAMIC": 18 * 3, "FLOAT": 56 - 2}
+    assert sum(parts["drafter"].values()) == 4_718 - 2
