@@ -8,7 +8,6 @@ Ctrl-C prints one line and exits with status 130 (lib/cli/interrupt.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,38 +26,6 @@ def _cmd_make_tiny(args) -> int:
                         overwrite=args.force, progress=True, preset=args.preset,
                         variant=args.variant)
     print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
-    return 0
-
-
-def _cmd_inventory(args) -> int:
-    from lib.weights.checkpoint import summary
-    from spec.variants import variant_config
-
-    cfg = variant_config(args.variant)
-    if args.msmodelslim:
-        return _modelslim_inventory(args, cfg)
-    result = summary(cfg)
-    if args.json:
-        print(json.dumps({"variant": args.variant, **result}, indent=2))
-        return 0
-    print(f"{args.variant}: {result['all']['tensors']:,} tensors, {result['all']['bytes']:,} bytes")
-    print(f"  of which mtp.*: {result['mtp']['tensors']:,} tensors, {result['mtp']['bytes']:,} bytes")
-    print("  dtypes: " + ", ".join(f"{k} {v:,}" for k, v in result["all"]["dtypes"].items()))
-    return 0
-
-
-def _modelslim_inventory(args, cfg) -> int:
-    from spec.msmodelslim import export_inventory
-
-    parts = export_inventory(cfg, args.msmodelslim)
-    if args.json:
-        print(json.dumps({"variant": args.variant, "msmodelslim": args.msmodelslim, "parts": parts}, indent=2))
-        return 0
-    total = sum(n for labels in parts.values() for n in labels.values())
-    print(f"{args.variant} as a ModelSlim {args.msmodelslim.upper()} export: {total:,} keys")
-    for part, labels in parts.items():
-        detail = ", ".join(f"{label} {n:,}" for label, n in sorted(labels.items(), key=lambda kv: -kv[1]))
-        print(f"  {part}: {sum(labels.values()):,} keys ({detail})")
     return 0
 
 
@@ -146,7 +113,8 @@ def _cmd_conformance(args) -> int:
     if max(args.tp, args.ep) > 1:
         if args.context:
             raise ValueError("--context runs in one process: drop --tensor-parallel-size / --expert-parallel-size")
-        return _parallel_conformance(args)
+        from lib.cli.conformance_parallel import parallel_conformance
+        return parallel_conformance(args)
     label = f"conformance {args.backend}" + (f" --context {args.context}" if args.context else "")
     stages = Stages(label + (f" +{args.inject}" if args.inject else ""))
     if inj is not None:
@@ -177,59 +145,6 @@ def _cmd_conformance(args) -> int:
     failed = [c.name for c in report.checks if not c.passed]
     print(f"{args.inject} detected by: {', '.join(failed)}" if failed else f"{args.inject} went UNNOTICED")
     return 0 if failed else 1
-
-
-def _parallel_conformance(args) -> int:
-    """TP / EP ranks in their own processes must decode exactly like one process."""
-    from lib.porting import parallel_check
-    from spec.profile import load_profile
-
-    from lib.launcher import torchrun
-
-    dispatch = args.ep_dispatch or load_profile(args.backend).ep_dispatch.mode
-    steps = args.steps or 32
-    # under torchrun every rank runs this; ranks past 0 only take their part in each parallel job, and say nothing
-    job = torchrun.environment()
-    follower = job is not None and job.follower
-    if not follower:
-        print(f"conformance of backend {args.backend} on TP={args.tp} EP={args.ep} ({dispatch})"
-              + (f" with injected {args.inject}" if args.inject else ""))
-    path, options, layout = _model_path(args), _load_options(args), f"TP={args.tp} EP={args.ep} {dispatch}"
-    modes, prompts = _decode_modes(path), parallel_check.DEFAULT_PROMPTS
-    where = "torchrun's processes" if job is not None else "their own processes"
-    stages = Stages(f"conformance {args.backend} {layout}" + (f" +{args.inject}" if args.inject else ""),
-                    total=2 * len(modes), enabled=not follower)
-    reference, results = {}, []
-    for mode in modes:               # one mode at a time, so each part is announced
-        if not follower:
-            with stages(f"one-process greedy reference ({mode}: {len(prompts)} prompts x {steps} tokens)"):
-                reference[mode] = parallel_check.greedy_tokens(path, args.backend, prompts, steps, speculative=mode,
-                                                               options=options)
-        with stages(f"{max(args.tp, args.ep)} ranks in {where} ({mode}: load, then the same decode)"):
-            got = parallel_check.greedy_tokens(path, args.backend, prompts, steps, tp=args.tp, ep=args.ep,
-                                               dispatch=dispatch, speculative=mode, options=options, inject=args.inject)
-        if not follower:
-            results.append(parallel_check.Agreement(layout, mode, reference[mode], got))
-    if follower:
-        return 0
-    stages.finish()
-    for r in results:
-        print(r.line())
-    differ = [r for r in results if r.first_difference is not None]
-    if args.inject is None:
-        print("FAIL" if differ else "PASS")
-        return 1 if differ else 0
-    print(f"{args.inject} detected by: TP/EP greedy agreement" if differ else f"{args.inject} went UNNOTICED")
-    return 0 if differ else 1
-
-
-def _decode_modes(path) -> tuple[str, ...]:
-    """Plain decoding, and drafting with the checkpoint's own drafter where it has one (DSpark or MTP)."""
-    from lib.weights.checkpoint import Checkpoint
-    from spec.schedule import drafter_kind
-
-    kind = drafter_kind(Checkpoint(path).config)
-    return ("none",) if kind == "none" else ("none", kind)
 
 
 def _cmd_diff(args) -> int:
@@ -263,12 +178,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
     s.set_defaults(func=_cmd_make_tiny)
 
-    s = sub.add_parser("inventory", help="tensor count and bytes of a real checkpoint, from the spec alone")
-    s.add_argument("--variant", default="flash-0731")
-    s.add_argument("--msmodelslim", choices=["w8a8", "w4a8"],
-                   help="count the keys of the Ascend ModelSlim export of that quant type instead, per part and label")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=_cmd_inventory)
+    from lib.cli.inventory import add_parser as add_inventory
+    add_inventory(sub)
 
     s = sub.add_parser("build", help="regenerate backends/<name>/_generated from spec + profile")
     s.add_argument("--backend", default="all", choices=["all", *backend_names()])

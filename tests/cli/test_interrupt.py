@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import lib.cli.main as cli
+import lib.cli.inventory as inventory_cli
 from lib.cli.main import main
 
 
@@ -135,7 +135,7 @@ def test_ctrl_c_of_a_parallel_launch_leaves_no_worker_and_no_worker_traceback(ti
 def test_keyboard_interrupt_in_any_subcommand_returns_130_in_process(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "_cmd_inventory", interrupted)
+    monkeypatch.setattr(inventory_cli, "cmd_inventory", interrupted)
     before = signal.getsignal(signal.SIGINT)
     assert main(["inventory"]) == 130
     assert capsys.readouterr().err == "dsv4gen inventory: interrupted\n"
@@ -150,7 +150,7 @@ def test_an_error_raised_while_an_interrupt_unwinds_is_still_the_interrupt(monke
             raise KeyboardInterrupt
         finally:
             raise error
-    monkeypatch.setattr(cli, "_cmd_inventory", cleanup_fails)
+    monkeypatch.setattr(inventory_cli, "cmd_inventory", cleanup_fails)
     assert main(["inventory"]) == 130
     assert capsys.readouterr().err == "dsv4gen inventory: interrupted\n"
 
@@ -164,7 +164,7 @@ def test_a_real_sigint_in_process_runs_the_cleanup_and_returns_130(monkeypatch, 
             time.sleep(5)
         finally:
             cleaned.append(True)
-    monkeypatch.setattr(cli, "_cmd_inventory", long_command)
+    monkeypatch.setattr(inventory_cli, "cmd_inventory", long_command)
     assert main(["inventory"]) == 130 and cleaned == [True]
     assert capsys.readouterr().err == "dsv4gen inventory: interrupted\n"
 
@@ -176,7 +176,7 @@ def test_a_sigint_the_subcommand_swallowed_is_still_reported(monkeypatch, capsys
         except KeyboardInterrupt:
             pass
         return 0
-    monkeypatch.setattr(cli, "_cmd_inventory", swallows)
+    monkeypatch.setattr(inventory_cli, "cmd_inventory", swallows)
     assert main(["inventory"]) == 130
     assert capsys.readouterr().err == "dsv4gen inventory: interrupted\n"
 
