@@ -127,9 +127,7 @@ def cmd_plan(args) -> int:
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
                          f"`--backend all` is for --ops")
-    from spec.config import require_runnable
-    from spec.variants import variant_config
-    require_runnable(variant_config(args.variant))     # V4.1-Flash: no graph to plan for yet
+    # a model no backend runs (V4.1-Flash) is planned for memory only, and the plan says so
     devices = _devices(args)
     d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
@@ -188,6 +186,7 @@ def format_plan(p) -> str:
                for c in sorted(w.target, key=lambda c: -(c.data + c.scale))), 110, initial_indent="  ",
                subsequent_indent="    "),
            *_splits(p),
+           *_host(p),
            "", "KV cache per device (one shared KV head: every TP rank holds the whole cache" +
                ("" if d.dp == 1 else " of its DP replica's sequences") + ")",
            *_kv(p),
@@ -230,7 +229,11 @@ def _layout(p) -> list[str]:
             f"{w.n_local * d.ep} per device" + (f", the split repeated {copies} times" if copies > 1 else "") +
             "; shared experts, router, compressors, hyper-connections and norms whole on every device "
             "(tensors.yaml tp: replicate)", "  ")
-    if p.runtime_refusal is not None:
+    if p.model_refusal is not None:
+        out += _wrap(f"PLANNING ONLY: {p.model_refusal}. This is a planning only estimate of its memory (weights per "
+                     f"device, host memory, KV cache in the formats of spec/shared_kv.yaml); no decode step is "
+                     f"predicted", "  ")
+    elif p.runtime_refusal is not None:
         out += _wrap(f"PLANNING ONLY, the runtime cannot launch this layout yet: {p.runtime_refusal}", "  ")
     elif not d.classic:
         out.append(f"runtime: launchable, one job of {d.devices} ranks ({d.devices_per_node} per node)")
@@ -278,10 +281,33 @@ def _splits(p) -> list[str]:
     return out + [f"    {'total':<40}{_g(sum(split.values())):>11}"]
 
 
+def _host(p) -> list[str]:
+    """Tensors held in host memory instead of on the device (V4.1's Engram tables)."""
+    out = []
+    for h in p.host:
+        d = p.deployment
+        how = (f"row shards over the {d.devices} ranks, each in its rank's host"
+               if h.placement == "sharded_per_rank" else "whole on every host")
+        out += ["", f"host memory ({h.tensor_class}, off the device; {how}):"]
+        out += _wrap(f"  {h.doc}", "    ")
+        for t in h.tables:
+            out.append(f"    {t.key:<30} {t.rows:>13,} rows x {t.row_bytes} B = {t.total / 1e9:7.2f} GB"
+                       + (f"; {t.per_rank / GIB:.2f} GiB a rank" if t.per_rank else ""))
+        out.append(f"  per host {_g(h.per_host)} ({h.per_host / 1e9:.2f} GB)" +
+                   (f", per rank {_g(h.per_rank)}" if h.per_rank else "") + f"; all tables {_g(h.total)}")
+        out += _wrap(f"  source: {h.source}", "    ")
+    return out
+
+
 def _kv(p) -> list[str]:
     lay = p.layout
     per, fixed = lay.per_token, lay.per_sequence
-    return [f"  per context position (entry block pools, a group per compress ratio, {lay.block_tokens} rows a block):",
+    if p.model_refusal is not None:
+        head = (f"  per context position (KV-source layers only, an entry pool per compress ratio, {lay.block_tokens} "
+                f"rows a block):")
+    else:
+        head = f"  per context position (entry block pools, a group per compress ratio, {lay.block_tokens} rows a block):"
+    return [head,
             *(f"    {kind:<19} {per[kind]:>13,.0f} bytes  ({lay.held(kind)})" for kind in per),
             f"    {'total':<19} {lay.kv_bytes_per_token:>13,.0f} bytes per token",
             f"  fixed per sequence (ring slots; slack {lay.slack} = positions a step may leave uncommitted):",
@@ -320,6 +346,9 @@ def _step(name: str, s) -> str:
 
 def _speed(p) -> list[str]:
     s, dev = p.speed, p.device
+    if s is None:
+        return ["decode step: not predicted (planning only: the recorded launch counts are V4-Flash's generated "
+                "code, and no backend runs this model's forward)"]
     mode = (f"captured: {dev.graph_launch_s.value * 1e6:g} us a kernel in a replayed graph" if p.graph_mode
             else f"eager: {dev.launch_latency_s.value * 1e6:g} us a launch")
     out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives; "

@@ -22,7 +22,9 @@ from typing import Mapping, NamedTuple
 
 from lib.distributed.process_group import check_sizes
 from spec import expr
+from spec.config import forward_refusal
 from spec.profile import Profile, load_profile, load_runtime_formats
+from spec.shared_kv import load_shared_kv
 from spec.tables import Logical, expand
 from spec.variants import variant_config
 from spec.yamlio import SpecError
@@ -164,9 +166,13 @@ def check_deployment(d: Deployment) -> Profile:
 
 
 def runtime_refusal(d: Deployment) -> str | None:
-    """Why the runtime cannot launch this layout (None: it can). Its launcher runs one job of
+    """Why the runtime cannot launch this layout (None: it can): first a model no backend runs
+    (V4.1: spec/config.py forward_refusal), then the layout. Its launcher runs one job of
     max(TP, EP) ranks, TP and EP each 1 or that world (lib/distributed/process_group.check_sizes);
     data-parallel attention replicas inside a job are not implemented."""
+    reason = forward_refusal(variant_config(d.variant))
+    if reason is not None:
+        return reason
     try:
         world = check_sizes(variant_config(d.variant), d.tp, d.ep)
     except ValueError as err:
@@ -237,8 +243,9 @@ def device_tensors(d: Deployment, routed_format: str, roles=("backbone", "mtp", 
     profile = load_profile(d.backend)
     cfg = variant_config(d.variant)
     n_local = cfg.n_routed_experts // d.ep
-    held = [t for t in logicals(d.variant)
-            if (t.layer is None or t.layer.role in roles) and _held_by_rank0(t, n_local)]
+    host = load_shared_kv().host          # classes held in host memory, never on the device (host_tables)
+    held = [t for t in logicals(d.variant) if t.entry.tensor_class not in host
+            and (t.layer is None or t.layer.role in roles) and _held_by_rank0(t, n_local)]
     held.sort(key=lambda t: -1 if t.layer is None else t.layer.index)       # stable: entry order within a block
     for t in held:
         cls = t.entry.tensor_class
@@ -270,6 +277,60 @@ def weights(d: Deployment) -> Weights:
                    sum(sum(field_bytes(runs_as, t.shape).values()) for t in one) if runs_as else 0,
                    max(math.prod(t.shape) for t in one), variant_config(d.variant).n_routed_experts // d.ep,
                    tuple((s, c, b) for (s, c), b in sorted(split.items(), key=lambda kv: -kv[1])))
+
+
+class HostTable(NamedTuple):
+    """One host-resident tensor (a V4.1 Engram table): its bytes whole and on one rank."""
+    key: str
+    rows: int
+    row_bytes: int
+    total: int                  # rows x row_bytes: the whole table
+    per_rank: int               # sharded: ceil(rows / world) rows; replicated: 0 (the host holds it whole)
+
+
+class HostTables(NamedTuple):
+    tensor_class: str
+    doc: str
+    placement: str              # spec/shared_kv.yaml: sharded_per_rank | replicated_per_host
+    tables: tuple[HostTable, ...]
+    devices_per_node: int
+    source: str
+
+    @property
+    def total(self) -> int:
+        return sum(t.total for t in self.tables)
+
+    @property
+    def per_rank(self) -> int:
+        return sum(t.per_rank for t in self.tables)
+
+    @property
+    def per_host(self) -> int:
+        """Host memory one node holds: its ranks' shards (rows padded to whole shards), or every table once."""
+        if self.placement == "sharded_per_rank":
+            return self.per_rank * self.devices_per_node
+        return self.total
+
+
+def host_tables(d: Deployment) -> tuple[HostTables, ...]:
+    """The tensor classes spec/shared_kv.yaml keeps in host memory (V4.1's Engram tables), sized in
+    its format: sharded by rows over every rank of the job (each rank's shard in its own host's
+    memory), or whole once per host."""
+    cfg = variant_config(d.variant)
+    out = []
+    for cls, spec in load_shared_kv().host.items():
+        tables = []
+        for t in logicals(d.variant):
+            if t.entry.tensor_class != cls:
+                continue
+            rows, cols = t.shape
+            row = sum(expr.evaluate(b, {"rows": 1, "cols": cols, "numel": cols}) for b in spec.bytes.values())
+            shard = -(-rows // d.devices) * row if spec.placement == "sharded_per_rank" else 0
+            tables.append(HostTable(t.key, rows, row, rows * row, shard))
+        if tables:
+            out.append(HostTables(cls, " ".join(spec.doc.split()), spec.placement, tuple(tables),
+                                  d.devices_per_node, " ".join(spec.source.split())))
+    return tuple(out)
 
 
 def preconverted(d: Deployment) -> Preconverted:

@@ -17,6 +17,8 @@ from lib.planner import memory as plan_memory
 
 from lib.planner import speed as plan_speed
 from lib.planner.memory import Deployment
+from lib.planner.shared_kv_layout import SharedKVLayout, shared_kv_layout
+from spec.config import forward_refusal
 from spec.schedule import drafter_kind
 from spec.variants import variant_config
 
@@ -30,15 +32,18 @@ class Plan(NamedTuple):
     reserve: int                    # the device's runtime reserve
     budget: int                     # memory_fraction x device memory
     pool_requested: int             # the KV pool the budget leaves (negative: the weights do not fit)
-    layout: plan_cache.CacheLayout
+    layout: plan_cache.CacheLayout | SharedKVLayout     # SharedKVLayout: V4.1's shared compressed KV
     capacity: plan_cache.Capacity
     preconverted: plan_memory.Preconverted
-    speed: plan_speed.SpeedPlan     # the prediction: eager, or captured under --graph-mode
+    speed: plan_speed.SpeedPlan | None      # the prediction: eager, or captured under --graph-mode (None: V4.1)
     device: object                  # spec.hardware.Device
     eager: plan_speed.SpeedPlan | None = None      # every launch eager
     captured: plan_speed.SpeedPlan | None = None   # the step replayed as one captured graph (None: no capture)
     graph_mode: bool = False
     runtime_refusal: str | None = None              # why the runtime cannot launch this layout (None: it can)
+    # the model no backend runs (V4.1): memory only, no decode step (its launch counts are V4's)
+    model_refusal: str | None = None
+    host: tuple[plan_memory.HostTables, ...] = ()   # tensors held in host memory (V4.1's Engram tables)
 
     @property
     def weights_bytes(self) -> int:
@@ -111,8 +116,17 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     budget = int(device.memory_bytes.value * d.memory_fraction)
     pool = d.kv_cache_bytes if d.kv_cache_bytes is not None else budget - weights.rollup()["total"] - workspace - reserve
     cfg = variant_config(d.variant)
-    layout = plan_cache.layout(d.backend, cfg, d.speculative and drafter_kind(cfg) != "none", d.max_num_seqs)
+    speculative = d.speculative and drafter_kind(cfg) != "none"
+    model_refusal = forward_refusal(cfg)
+    if cfg.kv_source_layer_ids is not None:     # V4.1's shared KV: spec/shared_kv.yaml's formats, not STATE
+        layout = shared_kv_layout(d.backend, cfg, speculative, d.max_num_seqs, plan_cache.slack_of(cfg, speculative))
+    else:
+        layout = plan_cache.layout(d.backend, cfg, speculative, d.max_num_seqs)
     capacity = plan_cache.capacity(layout, pool, d.max_model_len)
+    host = plan_memory.host_tables(d)
+    if model_refusal is not None:               # no forward, no launch counts: memory only
+        return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d),
+                    None, device, None, None, graph_mode, plan_memory.runtime_refusal(d), model_refusal, host)
     at = context or d.max_model_len
     eager = plan_speed.speed(d, weights, layout, at, acceptance)
     captured = plan_speed.speed(d, weights, layout, at, acceptance, graph=True) if device.graph_launch_s else None
@@ -120,7 +134,7 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
         raise ValueError(f"--graph-mode: {d.backend} has no captured decode step ({device.no_graph})")
     return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d),
                 captured if graph_mode else eager, device, eager, captured, graph_mode,
-                plan_memory.runtime_refusal(d))
+                plan_memory.runtime_refusal(d), None, host)
 
 
 def nodes_that_fit(p: Plan, most: int = 64) -> Plan | None:
@@ -151,18 +165,24 @@ def _terms(step: plan_speed.StepTime | None) -> dict | None:
 
 def as_json(p: Plan) -> dict:
     s = p.speed
-    return {
+    out = {
         "deployment": p.deployment._asdict(),
         "layout": {"nodes": p.deployment.nodes, "devices_per_node": p.deployment.devices_per_node,
                    "tp": p.deployment.tp, "dp": p.deployment.dp, "ep": p.deployment.ep,
                    "routed_experts_per_device": p.weights.n_local,
-                   "launchable": p.runtime_refusal is None, "planning_only_reason": p.runtime_refusal},
+                   "launchable": p.runtime_refusal is None, "planning_only_reason": p.runtime_refusal,
+                   "planning_only_model": p.model_refusal},
         "fits": p.does_not_fit is None,
         "does_not_fit": p.does_not_fit,
         "device": {name: {"value": num.value, "basis": num.basis, "source": num.source}
                    for name in p.device.__struct_fields__ if name not in ("doc", "no_graph")
                    for num in [getattr(p.device, name)] if num is not None},
         "graph_mode": p.graph_mode,
+        "host_bytes": {h.tensor_class: {"placement": h.placement, "total": h.total, "per_host": h.per_host,
+                                        "per_rank": h.per_rank,
+                                        "tables": {t.key: {"rows": t.rows, "row_bytes": t.row_bytes, "total": t.total,
+                                                           "per_rank": t.per_rank} for t in h.tables}}
+                       for h in p.host},
         "tokens_per_second_eager_and_captured": {
             mode: None if sp is None else {"plain": 1 / sp.plain.seconds,
                                            "dspark": 1 / sp.dspark_per_token_s if sp.verify else None}
@@ -190,11 +210,14 @@ def as_json(p: Plan) -> dict:
         "preconverted_checkpoint_bytes": p.preconverted.total_bytes,
         "preconverted_checkpoint_shards": p.preconverted.shards_per_rank * p.preconverted.ranks,
         "convert_output_bytes": p.preconverted.convert_output_bytes,
-        "decode_step_seconds": {"context": s.context, "plain": s.plain.seconds, "dspark_round": s.round_s,
-                                "dspark_per_token": s.dspark_per_token_s, "acceptance": s.acceptance,
-                                "tokens_per_round": s.tokens_per_round if s.verify else None,
-                                "terms": {"plain": _terms(s.plain), "verify": _terms(s.verify),
-                                          "draft": _terms(s.draft)}},
-        "tokens_per_second": {"plain": 1 / s.plain.seconds,
-                              "dspark": 1 / s.dspark_per_token_s if s.verify else None},
     }
+    if s is None:           # a model no backend runs (V4.1): no decode step is predicted
+        return {**out, "decode_step_seconds": None, "tokens_per_second": None}
+    return {**out,
+            "decode_step_seconds": {"context": s.context, "plain": s.plain.seconds, "dspark_round": s.round_s,
+                                    "dspark_per_token": s.dspark_per_token_s, "acceptance": s.acceptance,
+                                    "tokens_per_round": s.tokens_per_round if s.verify else None,
+                                    "terms": {"plain": _terms(s.plain), "verify": _terms(s.verify),
+                                              "draft": _terms(s.draft)}},
+            "tokens_per_second": {"plain": 1 / s.plain.seconds,
+                                  "dspark": 1 / s.dspark_per_token_s if s.verify else None}}

@@ -284,9 +284,10 @@ def test_spec_diff_reads_as_v41_config_differences(tmp_path):
     assert variant_diff(SPEC_DIR, SPEC_DIR) == []
 
 
-def test_plan_refuses_v41(capsys):
-    assert cli(["plan", "--variant", "v41-flash", "--backend", "ascend910"]) == 2
-    assert capsys.readouterr().err == f"dsv4gen plan: error: {REFUSAL}\n"
+def test_plan_is_planning_only_for_v41(capsys):
+    # the planner sizes V4.1's memory (tests/planner/test_v41_plan.py) and says the runtime cannot run it
+    assert cli(["plan", "--variant", "v41-flash", "--backend", "ascend910"]) == 0
+    assert f"PLANNING ONLY: {REFUSAL}" in capsys.readouterr().out.replace("\n  ", " ")
 
 
 def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):
