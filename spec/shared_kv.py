@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from spec import expr
+from spec.tables import shape_env
 from spec.yamlio import SpecError, decode, load_yaml
 
 PATH = Path(__file__).with_name("shared_kv.yaml")
@@ -67,15 +68,9 @@ def load_shared_kv(path: Path = PATH) -> SharedKV:
     return decode(data, SharedKV, str(path), lines)
 
 
-def config_env(cfg, **extra: int) -> dict[str, int]:
-    """The integer config keys an expression may name, plus `extra` (ratio, rows, cols)."""
-    values = {f.name: getattr(cfg, f.name) for f in msgspec.structs.fields(cfg)}
-    env = {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
-    return {**env, **extra}
-
-
 def size(text: str, cfg, **extra: int) -> int:
+    """An expression of the config's integer keys (the tensor table's shape names) and `extra` (ratio, rows, cols)."""
     try:
-        return expr.evaluate(text, config_env(cfg, **extra))
+        return expr.evaluate(text, {**shape_env(cfg, None), **extra})
     except expr.ExprError as err:
         raise SpecError(f"{PATH}: {err}") from None
