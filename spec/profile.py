@@ -136,6 +136,9 @@ class MergedWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     keys: tuple[str, str]       # block parameter keys (runtime keys: experts un-numbered), first then second
     reason: str
     source: str = ""
+    # "halves": the second's output rows after the first's ([gate | up]); "interleaved": row 2j the first's j-th,
+    # 2j+1 the second's (the even | odd columns a GPT-OSS-style SwiGLU kernel splits its input into)
+    layout: Literal["halves", "interleaved"] = "halves"
 
 
 class SharedInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

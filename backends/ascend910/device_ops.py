@@ -40,7 +40,7 @@ DEVICE_OPS = MappingProxyType({
     "npu_lightning_indexer": ("L22",),
     "compressor": ("L22",),
     "inplace_partial_rotary_mul": ("L22",),
-    "npu_clipped_swiglu": ("L22",),
+    "npu_dequant_swiglu_quant": ("L21", "L22"),
     "npu_rms_norm_dynamic_quant": ("L22",),
 })
 _DESCRIPTIVE = (None, 1, 3, 16, 285, I8, I32, INT4)  # *_dtype values that only restate int8 / packed-int4 storage
@@ -107,21 +107,39 @@ def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     return emu.rms_norm(input, gamma, epsilon, soc=SOC)
 
 
-@device_op("npu_clipped_swiglu", CHIP, SOC)
-def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interleaved=True):
-    """aclnnClippedSwiglu: x split along `dim` into A | B (halves, or even | odd columns when interleaved),
-    y = min(A, limit) * sigmoid(alpha * min(A, limit)) * (clamp(B, -limit, limit) + bias), in fp32, x's dtype out.
-    DeepSeek-V4's clipped SwiGLU is alpha 1, bias 0 on gate | up halves."""
-    if (real := emu.real_npu_op("npu_clipped_swiglu")) is not None:
+@device_op("npu_dequant_swiglu_quant", CHIP, SOC)
+def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None,
+                             quant_offset=None, group_index=None, activate_left=False, quant_mode=0, dst_type=None,
+                             round_mode=None, activate_dim=None, swiglu_mode=0, clamp_limit=7.0, glu_alpha=1.702,
+                             glu_bias=1.0):
+    """aclnnDequantSwigluQuantV2 on A2/A3 (cann/ops-nn quant/dequant_swiglu_quant/docs/aclnnDequantSwigluQuantV2.md):
+    x dequantised (int32 x * weight_scale * activation_scale; a bf16 / fp16 x as it is), a SwiGLU in fp32, then
+    each row quantised to int8 (quant_mode 1: dynamic per row, scale amax / 127). swiglu_mode 1 is the clipped
+    variant on x's even | odd columns: g = min(even, L), y = g sigmoid(alpha g) (clamp(odd, -L, L) + bias), which
+    is DeepSeek-V4's clipped SwiGLU at alpha 1, bias 0. Emulated: swiglu_mode 1, dynamic quantisation, no bias,
+    smoothing or group_index (the 950-only dst_type / round_mode / activate_dim left at their defaults)."""
+    if (real := emu.real_npu_op("npu_dequant_swiglu_quant")) is not None:
         return emu.forward(real, locals())
-    op = "npu_clipped_swiglu"
-    emu.check_float(emu.chip(SOC), op, frozenset({F16, BF16, torch.float32}), x)
-    emu.need(group_index is None, f"{op}: group_index (grouped rows) is not emulated", NotImplementedError)
-    emu.need(x.shape[dim] % 2 == 0, f"{op}: dim {dim} of x {tuple(x.shape)} must be even")
-    xf = x.float()
-    a, b = (xf.unflatten(dim, (-1, 2)).unbind(dim if dim < 0 else dim + 1) if interleaved else xf.chunk(2, dim))
-    a = a.clamp(max=limit)
-    return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + bias)).to(x.dtype)
+    op = "npu_dequant_swiglu_quant"
+    emu.need(swiglu_mode == 1 and quant_mode == 1 and bias is None and quant_scale is None and quant_offset is None
+             and group_index is None and dst_type is None and round_mode is None and activate_dim is None,
+             f"{op}: only swiglu_mode 1 with dynamic quantisation (quant_mode 1), no bias / quant_scale / "
+             "quant_offset / group_index and the 950-only arguments unset are emulated", NotImplementedError)
+    emu.need(x.dim() > 1 and x.shape[-1] % 2 == 0, f"{op}: x needs > 1 dims and an even last dim, found "
+             f"{tuple(x.shape)}")
+    if x.dtype == I32:
+        emu.need(weight_scale is not None and activation_scale is not None, f"{op}: an int32 x needs weight_scale "
+                 "and activation_scale")
+        xf = x.float() * weight_scale.float() * activation_scale.float().unsqueeze(-1)
+    else:
+        emu.check_float(emu.chip(SOC), op, frozenset({F16, BF16}), x)
+        emu.need(weight_scale is None and activation_scale is None, f"{op}: a {x.dtype} x takes no dequant scales")
+        xf = x.float()
+    g, u = xf.unflatten(-1, (-1, 2)).unbind(-1)
+    g = g.clamp(max=clamp_limit)
+    y = g * torch.sigmoid(glu_alpha * g) * (u.clamp(-clamp_limit, clamp_limit) + glu_bias)
+    q, scale = emu.quantize_symmetric(y, 127)
+    return q, scale.squeeze(-1)
 
 
 @device_op("npu_rms_norm_dynamic_quant", CHIP, SOC)

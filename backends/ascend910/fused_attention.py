@@ -8,7 +8,8 @@ once per step (StepRope.kernel), then the completed entries written into the ent
 `npu_sparse_attn_sharedkv` over the paged pools, as its DeepSeek-V4 attention calls it (dsa_v1.py
 1481-1592 at commit 182b75ea84): q [T, H, D] "TND" with cu_seqlens_q, the window ring as "PA_ND" KV,
 the compressed entries through the ratio's block table, the indexer's top-k (CSA) or every complete
-entry (HCA), the sinks; its tiling buffer from `npu_sparse_attn_sharedkv_metadata` for the layer.
+entry (HCA), the sinks; its tiling buffer from `npu_sparse_attn_sharedkv_metadata`, made once per step for
+each attention shape (window only, ratio 4, ratio 128) and reused by every layer of that shape.
 
 The kernel reads only the pools, so the step's KV rows are written into the window ring first. A ring
 of R rows (a multiple of 16: profile cache.ring_rows_multiple) is one block of R rows per sequence, its
@@ -23,12 +24,14 @@ kernels or the emulation.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from backends.ascend910 import device_ops as device
 from backends.ascend910 import lowerings
 from backends.common import attention
 from lib.distributed import process_group as parallel
 from lib.emulation.sharedkv_attention import TOPK, paged_block_ok
+from lib.guard.capability import ONCE_PER_STEP, section
 
 DTYPE = torch.bfloat16
 ROTARY_INTERLEAVE = 2      # the compressor's rotary_mode: DeepSeek-V4's interleaved pairs
@@ -93,10 +96,9 @@ def sparse_attention_fused(q, kv, batch, windows, entries, selection, sink, *, w
     seq = {"cu_seqlens_q": addr.step(("query_start",)), "seqused_kv": addr.step(("seq_lens",))}
     shape = {"cmp_ratio": ratio if cmp else 1, "ori_win_left": window - 1, "ori_win_right": 0,
              "layout_q": "TND", "layout_kv": "PA_ND"}
-    meta = device.npu_sparse_attn_sharedkv_metadata(
-        q.shape[1], 1, d, **seq, batch_size=addr.seq_slot.shape[0], max_seqlen_q=addr.step_tokens,
-        max_seqlen_kv=addr.max_len, cmp_topk=0 if selection is None else TOPK, has_cmp_kv=cmp,
-        device=str(q.device), **shape)
+    meta = _tiling(seq, heads=q.shape[1], head_dim=d, batch_size=addr.seq_slot.shape[0], max_seqlen_q=addr.step_tokens,
+                   max_seqlen_kv=addr.max_len, cmp_topk=0 if selection is None else TOPK, has_cmp_kv=cmp,
+                   device=str(q.device), **shape)
     table = addr.sites.group_of(addr.tables, ratio).table if cmp else None
     if selection is not None and selection.shape[-1] < TOPK:    # the kernel reads 512 ids a row, up to the first -1
         selection = torch.nn.functional.pad(selection, (0, TOPK - selection.shape[-1]), value=-1)
@@ -106,3 +108,21 @@ def sparse_attention_fused(q, kv, batch, windows, entries, selection, sink, *, w
         cmp_sparse_indices=None if selection is None else selection.unsqueeze(1), sinks=sink.float(), metadata=meta,
         softmax_scale=d ** -0.5, **seq, **shape)
     return out, windows
+
+
+# step tensor (cu_seqlens_q) -> {layer shape: tiling}: the tilings of the step that tensor belongs to, dropped with it
+_TILINGS = WeakIdKeyDictionary()
+
+
+def _tiling(seq: dict, *, heads: int, **shape):
+    """The attention kernel's tiling for this step and layer shape, made by the first layer of that shape and reused
+    by the rest: the tiling depends only on the step's lengths and the shape, and vllm-ascend's attention metadata
+    builder keeps one per shape for the whole step (cann-recipes-infer's DeepSeek-V4 inference guide, "AICPU
+    Scheduler算子多流并行": one npu_sparse_attn_sharedkv_metadata per attention kind per forward, reused across
+    layers; vllm-ascend's common_ratio_to_sas_metadata cache)."""
+    step = _TILINGS.setdefault(seq["cu_seqlens_q"], {})
+    key = (id(seq["seqused_kv"]), heads, *sorted(shape.items()))
+    if key not in step:
+        with section(ONCE_PER_STEP):
+            step[key] = device.npu_sparse_attn_sharedkv_metadata(heads, 1, shape.pop("head_dim"), **seq, **shape)
+    return step[key]

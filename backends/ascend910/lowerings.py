@@ -117,24 +117,29 @@ def _quant_matmul(xq, xs, weight: W8A8):
     return device.npu_quant_matmul(xq, weight.qweight.t(), weight.scale, pertoken_scale=xs, output_dtype=DTYPE)
 
 
-def clipped_swiglu_merged(gate_up, limit: float):
-    """DeepSeek-V4's clipped SwiGLU on gate | up halves [..., 2I] in one npu_clipped_swiglu (alpha 1, bias 0), bf16."""
-    return device.npu_clipped_swiglu(gate_up, dim=-1, alpha=1.0, limit=limit, bias=0.0, interleaved=False)
+def clipped_swiglu_quant(gate_up, limit: float) -> QuantisedRows:
+    """DeepSeek-V4's clipped SwiGLU on the merged gate | up GEMM output [..., 2I] (interleaved: profile merged_weights
+    puts gate j at column 2j and up j at 2j + 1, the even | odd columns swiglu_mode 1 reads) and the per-token int8 quantisation
+    of the result, for the down projection, in one npu_dequant_swiglu_quant (swiglu_mode 1: min(gate, L),
+    clamp(up, -L, L), alpha 1, bias 0; quant_mode 1: dynamic per row), as vllm-ascend's W8A8 MLPs fuse the
+    activation and the down projection's quantisation."""
+    return QuantisedRows(*device.npu_dequant_swiglu_quant(gate_up.to(DTYPE), quant_mode=1, swiglu_mode=1,
+                                                          clamp_limit=limit, glu_alpha=1.0, glu_bias=0.0))
 
 
 def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):
-    """The gate and up projections as one W8A8 GEMM (w1 holds both: profile merged_weights; w3 is None) and one
-    clipped SwiGLU kernel, as vllm-ascend's W8A8 MLP runs its gate_up_proj."""
+    """The gate and up projections as one W8A8 GEMM (w1 holds both, interleaved: profile merged_weights; w3 is
+    None), the activation and its quantisation in one kernel, the down GEMM: vllm-ascend's W8A8 MLP."""
     if w3 is not None:
         xq, xs = device.npu_dynamic_quant(x.to(DTYPE))
         act = moe.clipped_swiglu(_quant_matmul(xq, xs, w1), _quant_matmul(xq, xs, w3), limit).to(DTYPE)
-    else:
-        act = clipped_swiglu_merged(linear_w8a8(x, w1), limit)
-    return linear_w8a8(act, w2)
+        return linear_w8a8(act, w2)
+    return linear_w8a8(clipped_swiglu_quant(linear_w8a8(x, w1), limit), w2)
 
 
 def _gmm_w4a8(x, w: W4A8, group_list):
-    return _gmm_quantized(*device.npu_dynamic_quant(x.to(DTYPE)), w, group_list)
+    """x bf16 rows (quantised here) or QuantisedRows."""
+    return _gmm_quantized(*_quantised(x), w, group_list)
 
 
 def _gmm_quantized(xq, xs, w: W4A8, group_list):
@@ -150,22 +155,23 @@ def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placeme
     pairs and quantises their rows (quant_mode 1, the gate and up GEMMs read that one quantisation), and
     npu_moe_token_unpermute combines the down rows straight from that order; every row is written (all experts
     local, no pair dropped), so there is no tail to zero. w1 holds gate | up when the profile merges them (w3 None):
-    one grouped GEMM and one npu_clipped_swiglu. Under EP the shared composite (dummy slot, tail rows zeroed, the
+    one grouped GEMM, then the clipped SwiGLU and the down GEMM's quantisation in one npu_dequant_swiglu_quant. Under EP the shared composite (dummy slot, tail rows zeroed, the
     exchange: backends/common/moe.py)."""
     if placement.ep_size > 1:
         return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit,
                                init_routing=device.npu_moe_init_routing_v2, gmm=_gmm_w4a8,
-                               unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail)
+                               unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail,
+                               merged_swiglu=functools.partial(clipped_swiglu_quant, limit=limit))
     t, k = ids.shape
     xq, row_idx, group_list, xs = device.npu_moe_init_routing_v2(
         x.to(DTYPE), ids, active_num=t * k, expert_num=placement.n_experts, expert_tokens_num_type=0,
         expert_tokens_num_flag=True, quant_mode=1)
-    if w3 is None:               # gate | up in one grouped GEMM (profile merged_weights)
-        act = clipped_swiglu_merged(_gmm_quantized(xq, xs, w1, group_list), limit)
+    if w3 is None:               # gate | up in one grouped GEMM (profile merged_weights), activation and quantisation
+        down = _gmm_quantized(*clipped_swiglu_quant(_gmm_quantized(xq, xs, w1, group_list), limit), w2, group_list)
     else:
         act = moe.clipped_swiglu(_gmm_quantized(xq, xs, w1, group_list), _gmm_quantized(xq, xs, w3, group_list),
                                  limit).to(DTYPE)
-    down = _gmm_w4a8(act, w2, group_list)                            # [T*k, d] in expert order
+        down = _gmm_w4a8(act, w2, group_list)                        # [T*k, d] in expert order
     return device.npu_moe_token_unpermute(down, row_idx, weights.to(DTYPE))
 
 

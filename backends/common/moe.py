@@ -52,13 +52,17 @@ def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
-                dtype: torch.dtype, unpermute_multiple: int = 1, zero_tail: bool = True) -> torch.Tensor:
+                dtype: torch.dtype, unpermute_multiple: int = 1, zero_tail: bool = True,
+                merged_swiglu=None) -> torch.Tensor:
     """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
     EP group when there is one (lib/distributed/expert_exchange.py). `zero_tail=False` leaves the rows
-    past the group list as the kernel wrote them (L05): only conformance renders that, as B10."""
+    past the group list as the kernel wrote them (L05): only conformance renders that, as B10. When w1 holds
+    gate | up (a backend's merged weights, w3 None), `merged_swiglu` turns that GEMM's output [T*k, 2I] into the
+    down GEMM's input (the backend knows the layout and may quantise there); by default its halves go through
+    the fp32 clipped SwiGLU."""
     def rows(xs, es):
         return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype,
-                             zero_tail=zero_tail)
+                             zero_tail=zero_tail, merged_swiglu=merged_swiglu)
 
     def combine(pair_rows, ws):
         return _combine(pair_rows, ws, unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
@@ -66,7 +70,7 @@ def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_ro
 
 
 def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, dtype: torch.dtype,
-                  zero_tail: bool = True) -> torch.Tensor:
+                  zero_tail: bool = True, merged_swiglu=None) -> torch.Tensor:
     """[T*k, d] expert rows of the (token, expert) pairs, t-major, for the EP ranks this process runs
     (one normally; all when EP is simulated); zero rows for pairs held elsewhere. Per rank: local
     ids with a dummy slot (L06), cumulative group list (L07), tail rows zeroed (L05): a pair routed
@@ -82,11 +86,13 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
             x.to(dtype), local, active_num=t * k, expert_num=placement.n_local + 1, expert_tokens_num_type=0,
             expert_tokens_num_flag=True)
         group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
-        # w1 may hold gate | up (a backend's merged weights, w3 None): one GEMM, then its two halves
-        gate, up = (gmm(expanded, m1, group_list), gmm(expanded, m3, group_list)) if m3 is not None else (
-            gmm(expanded, m1, group_list).chunk(2, dim=-1))
-        act = clipped_swiglu(gate, up, limit)
-        down = gmm(act.to(dtype), m2, group_list)                  # [T*k, d], sorted by local expert
+        if m3 is not None:
+            act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit).to(dtype)
+        elif merged_swiglu is not None:       # w1 holds gate | up (a backend's merged weights): one GEMM
+            act = merged_swiglu(gmm(expanded, m1, group_list))
+        else:
+            act = clipped_swiglu(*gmm(expanded, m1, group_list).chunk(2, dim=-1), limit).to(dtype)
+        down = gmm(act, m2, group_list)                            # [T*k, d], sorted by local expert
         if zero_tail:                # False only to re-introduce B10 (conformance)
             down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
         out = out + down.index_select(0, row_idx)                  # pair p's row (row_idx: [pair] -> row)

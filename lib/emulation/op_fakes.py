@@ -120,13 +120,11 @@ def inplace_partial_rotary_mul(x, r1, r2, rotary_mode, partial_slice):
     return None                                                          # x is rotated in place
 
 
-def npu_clipped_swiglu(x, *, dim=-1, **unused):
-    shape = list(x.shape)
-    shape[dim] //= 2
-    return x.new_empty(shape)
+def npu_dequant_swiglu_quant(x, **unused):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=I8), x.new_empty(x.shape[:-1], dtype=F32)
 
 
-FAKES = {f.__name__: f for f in (npu_clipped_swiglu, npu_rms_norm_dynamic_quant, compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
+FAKES = {f.__name__: f for f in (npu_dequant_swiglu_quant, npu_rms_norm_dynamic_quant, compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
                                  npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
                                  npu_scatter_nd_update_, npu_dynamic_quant, _int_mm,
                                  _fused_rms_norm)}

@@ -287,6 +287,12 @@ def section(name: str):
     return _in_every_guard("section", name)
 
 
+# The section of a launch a step makes once and every layer of one shape then reuses (an attention kernel's
+# tiling, vLLM's per-step attention metadata): nested in whichever layer first needs it, counted per step,
+# never per layer (lib/planner/launch_counts.py).
+ONCE_PER_STEP = "once per step"
+
+
 def allow(reason: str):
     """Whitelist a region in every active guard (recorded in each report); free without one."""
     return _in_every_guard("allow", reason)

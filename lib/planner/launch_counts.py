@@ -30,7 +30,7 @@ import torch
 from lib.console.stages import Stages
 from lib.emulation.relaxed import relaxed_widths
 from lib.records.batch import make_batch
-from lib.guard.capability import CapabilityGuard, rules_from_profile
+from lib.guard.capability import ONCE_PER_STEP, CapabilityGuard, rules_from_profile
 from lib.engine.cache_sizing import blocks_for, make_store
 from lib.runtime.loaded_model import load_model
 from lib.runtime.paged_step import paged_step
@@ -66,7 +66,7 @@ class KindRow(NamedTuple):
 class LaunchReport(NamedTuple):
     backend: str
     rows: tuple[KindRow, ...]
-    outside: int       # launches outside the blocks (embedding, hc_head, norm, head)
+    outside: int       # launches outside the blocks (embedding, hc_head, norm, head) and those made once per step
     total: int
     syncs: int
     # one DSpark round besides the decode step: "verify" (target forward over anchor + block),
@@ -216,9 +216,16 @@ def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
             raise AssertionError(f"{backend}: {n} '{kind}' layers made {value} {field} in {part}: not the same per layer")
         return value // n
 
+    def once(part: str, field: str = "ops") -> int:
+        """Launches outside the blocks, and those a step makes once in whichever layer first needs them (a tiling
+        every layer of one shape reuses: lib/guard/capability.py ONCE_PER_STEP), never scaled by the layer count."""
+        nested = (c for name, c in sections.items()
+                  if name.startswith(f"{part}/") and name.endswith(f"/{ONCE_PER_STEP}"))
+        return getattr(sections[part], field) + sum(getattr(c, field) for c in nested)
+
     def part_total(part: str, field: str = "ops") -> int:
-        """A target forward on the real schedule: launches outside blocks + per layer x real layers."""
-        return getattr(sections[part], field) + sum(per_layer(part, k, field) * n for k, n in real.items())
+        """A target forward on the real schedule: launches once per step + per layer x real layers."""
+        return once(part, field) + sum(per_layer(part, k, field) * n for k, n in real.items())
 
     rows = tuple(KindRow(k, n, per_layer("decode", k, "ops"), per_layer("decode", k, "syncs")) for k, n in real.items())
     dspark = None
@@ -226,7 +233,7 @@ def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
         dspark = {"verify": part_total("verify")}
         dspark |= {part: sum(c.ops for name, c in sections.items() if name.split("/")[0] == part)
                    for part in ("context", "draft")}
-    return LaunchReport(backend, rows, sections["decode"].ops, part_total("decode"), part_total("decode", "syncs"),
+    return LaunchReport(backend, rows, once("decode"), part_total("decode"), part_total("decode", "syncs"),
                         dspark, batch, sections["decode/paged cache"].ops)
 
 
@@ -235,7 +242,7 @@ def format_report(r: LaunchReport) -> str:
              f"(43 layers, 256 experts, top-6; widths shrunk)",
              f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
     lines += [f"  {row.kind:<18} {row.layers:>6} {row.launches:>15} {row.syncs:>12}" for row in r.rows]
-    lines += [f"  {'outside blocks':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}",
+    lines += [f"  {'outside / per step':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}",
               f"  (besides: {r.addressing} host ops building the step's paged-cache addressing)"]
     if r.dspark:
         lines.append(f"  DSpark round: verify {r.dspark['verify']} + drafter ring rows {r.dspark['context']} + "

@@ -88,9 +88,9 @@ def own_experts(cfg, options: LoadOptions) -> range:
 
 
 def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progress: bool = False,
-                options: LoadOptions = LoadOptions(), merged: tuple[tuple[str, str], ...] = ()) -> Params:
+                options: LoadOptions = LoadOptions(), merged: tuple[tuple[str, str, str], ...] = ()) -> Params:
     """Convert every logical tensor with the converter the backend's table names for it, hold each `merged`
-    pair of a block as one weight (merge_outputs), then build the derived runtime parameters (tensors.yaml
+    (first, second, layout) of a block as one weight (merge_outputs), then build the derived runtime parameters (tensors.yaml
     `derived`)."""
     # refuse a TP or EP size the config cannot be split by before reading anything
     shard.check_tp(ckpt.config, ckpt.logical, options.tp_size, options.tp_rank)
@@ -126,9 +126,9 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
         blocks.setdefault(prefix, {})[key] = stack(values)   # [E or E/ep_size, rows, cols], expert order
     ledger.check(other_ranks=other_ranks)
     for block in blocks.values():
-        for first, second in merged:
+        for first, second, layout in merged:
             if first in block and second in block:
-                block[first], block[second] = merge_outputs(block[first], block[second]), None
+                block[first], block[second] = merge_outputs(block[first], block[second], layout), None
     _add_derived(blocks, model, ckpt.config, options)
     infos = schedule(ckpt.config)
     n = ckpt.config.num_hidden_layers
@@ -137,19 +137,36 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     return Params(model, layers, drafter, infos[:n], infos[n:])
 
 
-def merge_outputs(first, second):
-    """One weight computing both projections: `second`'s output rows after `first`'s, in their runtime format (a
-    plain [..., N, K] tensor, W8A8 rows [..., N, K] with scales [..., N], W4A8 [..., K, N/8] packed along N with
-    scales [..., N]); its GEMM gives [..., N1 + N2], the first's outputs then the second's."""
+def merge_outputs(first, second, layout: str = "halves"):
+    """One weight computing both projections, in their runtime format (a plain [..., N, K] tensor, W8A8 rows
+    [..., N, K] with scales [..., N], W4A8 [..., K, N/8] packed along N with scales [..., N]). Its GEMM gives
+    [..., 2N]: the first's outputs then the second's ("halves"), or output 2j the first's j-th and 2j+1 the
+    second's ("interleaved"; both N equal)."""
     if type(first) is not type(second):
         raise TypeError(f"merged weights need one runtime format, got {type(first).__name__} and {type(second).__name__}")
+    if layout not in ("halves", "interleaved"):
+        raise ValueError(f"merged weight layout '{layout}' (accepted: halves, interleaved)")
     if isinstance(first, torch.Tensor):
-        return torch.cat((first, second), dim=-2)
+        return _join(first, second, -2, layout)
     if isinstance(first, W4A8):
+        if layout == "interleaved":     # the outputs are packed 8 to a word: interleave the codes, then repack
+            from lib.emulation.npu_ops import pack_int4, unpack_int4
+
+            words = pack_int4(_join(unpack_int4(first.qweight), unpack_int4(second.qweight), -1, layout))
+            return W4A8(words, _join(first.scale, second.scale, -1, layout))
         return W4A8(torch.cat((first.qweight, second.qweight), dim=-1), torch.cat((first.scale, second.scale), dim=-1))
     if isinstance(first, W8A8):
-        return W8A8(torch.cat((first.qweight, second.qweight), dim=-2), torch.cat((first.scale, second.scale), dim=-1))
+        return W8A8(_join(first.qweight, second.qweight, -2, layout), _join(first.scale, second.scale, -1, layout))
     raise TypeError(f"no output-row concatenation for runtime format {type(first).__name__}")
+
+
+def _join(a: torch.Tensor, b: torch.Tensor, dim: int, layout: str) -> torch.Tensor:
+    """a and b along output dim `dim`: one after the other, or alternating (a's j-th, then b's j-th)."""
+    if layout == "halves":
+        return torch.cat((a, b), dim=dim)
+    if a.shape != b.shape:
+        raise ValueError(f"interleaved merged weights need one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return torch.stack((a, b), dim=dim).flatten(dim - 1, dim) if dim < 0 else torch.stack((a, b), dim + 1).flatten(dim, dim + 1)
 
 
 def _add_derived(blocks: dict, model: dict, cfg, options: LoadOptions) -> None:

@@ -1,9 +1,12 @@
 """ascend910's routed experts on one EP rank (backends/ascend910/lowerings.py routed_experts): the rows quantised
-once by the routing op, gate | up in one grouped GEMM (the loader merges them: profile merged_weights) and one
-npu_clipped_swiglu, the down rows combined straight from the routing order, against the shared composite (dummy
-slot, the merged GEMM's halves through the fp32 clipped SwiGLU, tail zeroing, pair-order combine) on the same
-checkpoint weights, loaded through the real loader (B21); the launches that saves; and the merge itself."""
+once by the routing op, gate | up in one grouped GEMM (the loader merges them, interleaved: profile merged_weights)
+and one npu_dequant_swiglu_quant for the activation and the down GEMM's quantisation, the down rows combined straight
+from the routing order, against the shared composite (dummy slot, the same activation, tail zeroing, pair-order
+combine) and against separate gate and up GEMMs through the fp32 clipped SwiGLU, on the same checkpoint weights,
+loaded through the real loader (B21); the launches that saves; and the merge itself."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from spec.profile import load_profile
 
 def _composite(x, weights, ids, w1, w3, w2, placement, limit):
     return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
-                           gmm=lowerings._gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=torch.bfloat16)
+                           gmm=lowerings._gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=torch.bfloat16,
+                           merged_swiglu=functools.partial(lowerings.clipped_swiglu_quant, limit=limit))
 
 
 def test_one_rank_routes_as_the_composite_with_fewer_launches(tiny_ckpt):
@@ -40,10 +44,24 @@ def test_one_rank_routes_as_the_composite_with_fewer_launches(tiny_ckpt):
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want) and want.abs().max() > 0      # the same quantisation, GEMMs and combine order
     sections = guard.report().sections
-    assert sections["one rank"].launches["npu_dynamic_quant"] == 1              # before the down GEMM only
-    assert sections["one rank"].launches["npu_grouped_matmul"] == 2 and sections["one rank"].launches[
-        "npu_clipped_swiglu"] == 1
+    one = sections["one rank"].launches
+    assert "npu_dynamic_quant" not in one                        # routing quantises the rows, the activation its own
+    assert one["npu_grouped_matmul"] == 2 and one["npu_dequant_swiglu_quant"] == 1
     assert sections["composite"].ops - sections["one rank"].ops >= 8, {n: s.ops for n, s in sections.items()}
+    # the interleaved merge computes what separate gate and up GEMMs through the fp32 clipped SwiGLU compute
+    w1, w3, w2, placement = args
+    gate, up = (lowerings.W4A8(w.qweight, w.scale) for w in _split_interleaved(w1))
+    separate = moe.grouped_moe(x, weights, ids, gate, up, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
+                               gmm=lowerings._gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=torch.bfloat16)
+    assert (separate.float() - got.float()).norm() <= 0.02 * separate.float().norm()
+
+
+def _split_interleaved(w):
+    """A merged interleaved W4A8 weight back into its two projections (even | odd output columns)."""
+    from lib.emulation.npu_ops import pack_int4, unpack_int4
+
+    codes = unpack_int4(w.qweight)
+    return [lowerings.W4A8(pack_int4(codes[..., j::2].contiguous()), w.scale[..., j::2].contiguous()) for j in (0, 1)]
 
 
 def test_the_loader_merges_gate_and_up_where_the_profile_says(tiny_ckpt):
@@ -54,6 +72,30 @@ def test_the_loader_merges_gate_and_up_where_the_profile_says(tiny_ckpt):
     w13 = merged["ffn.experts.w1.weight"]                                       # W4A8: [E, d, 2I / 8] packed, [E, 2I]
     assert w13.qweight.shape == (e, d, 2 * i // 8) and w13.scale.shape == (e, 2 * i)
     assert merged["ffn.shared_experts.w1.weight"].qweight.shape[0] == 2 * plain["ffn.shared_experts.w1.weight"].shape[0]
+
+
+def test_merge_outputs_interleaves_where_the_layout_says_and_the_gemm_output_alternates():
+    from lib.emulation.npu_ops import pack_int4, unpack_int4
+    from lib.quant.runtime_formats import W4A8, W8A8
+    from lib.weights.params import merge_outputs
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    m = merge_outputs(a, b, "interleaved")
+    assert torch.equal(m[:, 0::2], a) and torch.equal(m[:, 1::2], b)
+    qa, qb = (torch.randint(-127, 128, (3, 4), generator=g, dtype=torch.int8) for _ in range(2))
+    w = merge_outputs(W8A8(qa, torch.arange(3.0)), W8A8(qb, 10 + torch.arange(3.0)), "interleaved")
+    assert torch.equal(w.qweight[0::2], qa) and torch.equal(w.qweight[1::2], qb)
+    assert torch.equal(w.scale, torch.tensor([0.0, 10, 1, 11, 2, 12]))
+    ca, cb = (torch.randint(-8, 8, (2, 4, 16), generator=g, dtype=torch.int8) for _ in range(2))   # [E, K, N] codes
+    p = merge_outputs(W4A8(pack_int4(ca), torch.ones(2, 16)), W4A8(pack_int4(cb), torch.zeros(2, 16)), "interleaved")
+    codes = unpack_int4(p.qweight)
+    assert p.qweight.shape == (2, 4, 4) and torch.equal(codes[..., 0::2], ca) and torch.equal(codes[..., 1::2], cb)
+    assert torch.equal(p.scale[..., 0::2], torch.ones(2, 16)) and torch.equal(p.scale[..., 1::2], torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="one shape"):
+        merge_outputs(torch.ones(3, 4), torch.ones(5, 4), "interleaved")
+    with pytest.raises(ValueError, match="layout 'zipped'"):
+        merge_outputs(a, b, "zipped")
 
 
 def test_merge_outputs_puts_the_second_rows_after_the_first():
