@@ -60,9 +60,16 @@ def grouped_linear_w8a8(x, weight: W8A8, groups: int):
     t = x.shape[0]
     xg = x.reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)          # rows grouped by g
     wg = W8A8(weight.qweight.reshape(groups, -1, weight.qweight.shape[-1]), weight.scale.reshape(groups, -1))
-    group_list = torch.arange(1, groups + 1, dtype=torch.int64) * t                # cumulative (L07)
+    group_list = _cumulative_groups(groups, t)                                     # cumulative (L07)
     y = _grouped(xg, wg, group_list)                                               # [G*T, R]
     return y.reshape(groups, t, -1).transpose(0, 1).reshape(t, -1)
+
+
+def _cumulative_groups(groups: int, rows: int) -> torch.Tensor:
+    """[groups] int64 cumulative group list of `groups` groups of `rows` rows each (L07), in one kernel."""
+    if rows == 0:
+        return torch.zeros(groups, dtype=torch.int64)
+    return torch.arange(rows, (groups + 1) * rows, rows, dtype=torch.int64)
 
 
 def o_proj_w8a8(x, weight: W8A8, groups: int, group=None):
@@ -73,7 +80,7 @@ def o_proj_w8a8(x, weight: W8A8, groups: int, group=None):
     to fp16 once."""
     t = x.shape[0]
     xg = x.to(DTYPE).reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)    # rows grouped by g
-    group_list = torch.arange(1, groups + 1, dtype=torch.int64) * t                    # cumulative (L07)
+    group_list = _cumulative_groups(groups, t)                                         # cumulative (L07)
     y = _grouped(xg, weight, group_list)                                               # [G*T, d] fp16
     return parallel.all_reduce(y.reshape(groups, t, -1).float().sum(0), group).to(DTYPE)
 

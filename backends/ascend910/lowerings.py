@@ -48,7 +48,7 @@ def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     ([1, T, 1, rope_dim]) and -r2 for the inverse, and for each ratio's entries the fused compressor's
     rope rows (StepRope.kernel): made once per step, not in each rope or compress call."""
     out = {}
-    for name, step in common_rope.rope_angles(batch, tables=tables).items():
+    for name, step in common_rope.rope_angles(batch, tables=tables, rotation=False).items():
         r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
         entries = {m: e._replace(kernel=_compressor_rows(e, batch, m)) for m, e in step.entries.items()}
         out[name] = step._replace(rotary=(r1, r2, -r2), entries=entries)

@@ -2,10 +2,11 @@
 
 Angles are position * theta in fp32 (as the reference), made once per step for every table
 (`rope_angles`, lib/records/step_rope.py: one product, cos and sin over the token rows and the
-entries the step completes, instead of three kernels in each of a layer's 4-6 rope calls); the
-rotation is done in fp32 and the result returned in x's dtype; the inverse rotation negates the sine.
-The rows' sine is also kept per pair with its signs, so a call swaps the pair (one flip) instead of
-negating and stacking it.
+entries the step completes, instead of three kernels in each of a layer's 4-6 rope calls), and so is
+each row's rotation as a [rope_dim, rope_dim] block-diagonal matrix: a rope call is then one batched
+product of the rope channels with their rows' matrices (the inverse with the transposed matrices, a
+view) and one concatenation with the channels it does not rotate. The rotation is done in fp32 and the
+result returned in x's dtype.
 """
 from __future__ import annotations
 
@@ -14,36 +15,44 @@ import torch
 from lib.records.step_rope import StepRope, split, step_positions
 
 
-def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
+def rope_angles(batch, *, tables: dict, rotation: bool = True) -> dict[str, StepRope]:
     """{table: StepRope} at the batch's positions and at m * e of the entries it completes (fp32), with
-    the paired sine the rotation multiplies the swapped pair (b, a) by: (-sin, sin), and (sin, -sin)
-    for the inverse (one product and one stack over the rows and entries together)."""
+    every row's rotation matrix (one product, cos, sin and the matrices over the rows and entries together);
+    `rotation=False` for a backend that rotates with a kernel of its own (its composites then make the
+    matrices of the rows they rotate)."""
     positions, spans = step_positions(batch)
     p = positions.float()[:, None]
     out = {}
     for name, inv_freq in tables.items():
         angles = p * inv_freq.float()[None, :]                                 # [N, rope_dim/2]
-        sin = angles.sin()
-        paired = torch.stack((-sin, sin), dim=-1)                              # [N, rope_dim/2, 2]
-        whole = StepRope(inv_freq, angles.cos(), sin, paired=(paired, -paired))
+        cos, sin = angles.cos(), angles.sin()
+        whole = StepRope(inv_freq, cos, sin, rotation=(rotation_matrices(cos, sin),) if rotation else ())
         out[name] = split(whole, batch.positions.shape[0], spans)
     return out
 
 
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[N, rope_dim, rope_dim] fp32, block-diagonal: pair i of a row vector, (a, b) @ [[cos_i, sin_i],
+    [-sin_i, cos_i]] = (a cos_i - b sin_i, a sin_i + b cos_i), DeepSeek-V4's interleaved rotation; every other
+    entry an exact zero, so a product with it adds nothing to a rotated pair."""
+    n, half = cos.shape
+    blocks = torch.stack((cos, sin, -sin, cos), dim=-1).unflatten(-1, (2, 2))    # [N, half, 2, 2]
+    diagonal = torch.diag_embed(blocks.permute(0, 2, 3, 1))                      # [N, 2, 2, half, half]
+    return diagonal.permute(0, 3, 1, 4, 2).reshape(n, 2 * half, 2 * half)
+
+
 def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
-    ratio's entries) or a (cos, sin) pair [T, rope_dim/2]: rotate pairs (a, b) = (x[2i], x[2i+1]) of the
-    trailing rope_dim channels to (a cos - b sin, b cos + a sin) = pairs * cos + (b, a) * (-sin, sin)
-    in one addcmul (the paired sine's signs carry the inverse)."""
-    if isinstance(angles, StepRope) and angles.paired:
-        cos, paired = angles.cos, angles.paired[1 if inverse else 0]
+    ratio's entries) or a (cos, sin) pair [T, rope_dim/2]: the trailing rope_dim channels of each row times
+    its rotation matrix (transposed for the inverse) in one batched product, the other channels as they are."""
+    if isinstance(angles, StepRope) and angles.rotation:
+        (matrices,) = angles.rotation
     else:
         cos, sin = (angles.cos, angles.sin) if isinstance(angles, StepRope) else angles
-        paired = torch.stack((sin, -sin) if inverse else (-sin, sin), dim=-1).float()
-    cos = cos.float().unsqueeze(-1)                                            # [T, rope_dim/2, 1]
-    if x.dim() == 3:
-        cos, paired = cos[:, None], paired[:, None]
+        matrices = rotation_matrices(cos.float(), sin.float())
+    if inverse:
+        matrices = matrices.transpose(-1, -2)                                  # the inverse rotation: a view
     d = x.shape[-1]
-    pairs = x[..., d - rope_dim:].float().unflatten(-1, (rope_dim // 2, 2))
-    rotated = torch.addcmul(pairs * cos, pairs.flip(-1), paired).flatten(-2)
-    return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)
+    tail = x[..., d - rope_dim:].float()
+    rotated = torch.bmm(tail if x.dim() == 3 else tail.unsqueeze(1), matrices)
+    return torch.cat((x[..., : d - rope_dim], rotated.view(tail.shape).to(x.dtype)), dim=-1)

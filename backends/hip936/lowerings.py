@@ -74,10 +74,11 @@ def _requant_fp4(p: PackedFP4, quantize) -> W8A8:
 
 
 def _quant_tokens(x: torch.Tensor):
-    """Per-token symmetric int8 (round half to even): x [M, K] -> (int8 [M, K], fp32 scale [M])."""
+    """Per-token symmetric int8 (round half to even): x [M, K] -> (int8 [M, K], fp32 scale [M]). The row's amax is
+    one max-norm kernel; the scale floor (the smallest normal fp32) only touches an all-zero row, whose codes are
+    zero whatever its scale."""
     xf = x.float()
-    amax = xf.abs().amax(-1)
-    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    s = (torch.linalg.vector_norm(xf, ord=float("inf"), dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     return torch.round(xf / s[:, None]).clamp(-127, 127).to(torch.int8), s
 
 
@@ -87,20 +88,22 @@ def _int_matmul(xq, xs, wq, ws):
     return acc.float() * xs[:, None] * ws[None, :]
 
 
-def _gather(w: PackedFP4 | W8A8, experts: torch.Tensor) -> PackedFP4 | W8A8:
-    """The weights of the given experts (one per token pair); a dummy zero expert sits at the end
-    (E8M0 127 = 2^0 / an int8 scale of 1 beside zero values)."""
-    fill = 127 if isinstance(w, PackedFP4) else 1.0
+def _gather(w: PackedFP4 | W8A8, experts: torch.Tensor, dummy: bool = True) -> PackedFP4 | W8A8:
+    """The weights of the given experts (one per token pair); with `dummy`, a zero expert sits at the end for the
+    pairs routed to another rank (E8M0 127 = 2^0 / an int8 scale of 1 beside zero values). A rank that holds
+    every expert has no such pair and gathers its weights as they are."""
     values, scale = w
-    return type(w)(torch.cat((values, torch.zeros_like(values[:1]))).index_select(0, experts),
-                   torch.cat((scale, torch.full_like(scale[:1], fill))).index_select(0, experts))
+    if dummy:
+        fill = 127 if isinstance(w, PackedFP4) else 1.0
+        values, scale = torch.cat((values, torch.zeros_like(values[:1]))), torch.cat((scale, torch.full_like(scale[:1], fill)))
+    return type(w)(values.index_select(0, experts), scale.index_select(0, experts))
 
 
-def _int8_experts(w: PackedFP4 | W8A8, quantize, experts: torch.Tensor | None = None) -> W8A8:
+def _int8_experts(w: PackedFP4 | W8A8, quantize, experts: torch.Tensor | None = None, dummy: bool = True) -> W8A8:
     """Int8 expert rows: resident experts (expert mode `resident`) are int8 since load and only gathered;
     streaming ones (MXFP4 kept as stored) are gathered and requantised now (L29). `experts`: one per
-    token pair (None: all of them)."""
-    picked = w if experts is None else _gather(w, experts)
+    token pair (None: all of them); `dummy`: a zero expert appended for pairs held by another rank."""
+    picked = w if experts is None else _gather(w, experts, dummy)
     return picked if isinstance(picked, W8A8) else _requant_fp4(picked, quantize)
 
 
@@ -146,18 +149,22 @@ def _routed_rows(x, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, q
     (zero elsewhere: other ranks' experts map to the dummy zero expert, L06)."""
     t, k = ids.shape
     xq, xs = _quant_tokens(x)
-    rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
+    rows = None           # the ranks' rows summed (a pair held elsewhere reads the dummy expert's zero row)
     for rank in placement.ranks:
         local = local_ids(ids, placement.local_of[rank])
         mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t <= PAIRWISE_MAX_TOKENS:      # the T*k (token, slot) pairs, token-major, through one chain
             pq = xq.unsqueeze(1).expand(t, k, xq.shape[-1]).reshape(t * k, -1)
             ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
-            g1, g3, g2 = (_int8_experts(w, quantize, local.reshape(-1)) for w in mats)
+            remote = placement.n_local < placement.n_experts      # some pairs route to the dummy expert
+            g1, g3, g2 = (_int8_experts(w, quantize, local.reshape(-1), remote) for w in mats)
             act = moe.clipped_swiglu(_pair_matmul(pq, ps, g1), _pair_matmul(pq, ps, g3), limit)
             aq, as_ = _quant_tokens(act)
-            rows = rows + _pair_matmul(aq, as_, g2).view(t, k, -1)
+            part = _pair_matmul(aq, as_, g2).view(t, k, -1)
+            rows = part if rows is None else rows + part
             continue
+        if rows is None:
+            rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
         g1, g3, g2 = (_int8_experts(w, quantize) for w in mats)
         for e in range(placement.n_local):
             y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]

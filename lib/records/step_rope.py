@@ -18,8 +18,8 @@ class StepRope(NamedTuple):
     sin: torch.Tensor          # [N, rope_dim/2]
     entries: dict = {}         # ratio m -> StepRope of the entries the step completes, at m * e, in
                                # batch.state.writes[m] order (views of the same product)
-    paired: tuple = ()         # (-sin, sin) and (sin, -sin) per pair [N, rope_dim/2, 2]: the composite
-                               # rotation's multiplier of the swapped pair (backends/common/rope.py); () if not made
+    rotation: tuple = ()       # (matrices [N, rope_dim, rope_dim] fp32,): each row's block-diagonal rotation, the
+                               # composite's batched product (backends/common/rope.py); () if not made
     rotary: tuple = ()         # the in-place rotary's r1, r2 and -r2 [1, N, 1, rope_dim] bf16 (ascend910); () if not made
     kernel: tuple = ()         # an entries record's (cos, sin) [min(T, T // m + S), rope_dim] bf16 per channel: the
                                # fused compressor's rope rows, these entries then cos 1 / sin 0 (ascend910); () if not made
@@ -32,7 +32,7 @@ class StepRope(NamedTuple):
     def rows(self, lo: int, hi: int) -> "StepRope":
         """Rows [lo, hi) of every field (views)."""
         return StepRope(self.inv_freq, self.cos[lo:hi], self.sin[lo:hi], {},
-                        tuple(p[lo:hi] for p in self.paired), tuple(r[:, lo:hi] for r in self.rotary))
+                        tuple(m[lo:hi] for m in self.rotation), tuple(r[:, lo:hi] for r in self.rotary))
 
 
 def step_positions(batch) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:

@@ -68,13 +68,17 @@ def test_rope_angles_cover_the_rows_and_each_ratios_completed_entries_at_m_times
 
 
 @pytest.mark.parametrize("inverse", [False, True])
-def test_device_rope_rotates_with_the_steps_paired_sine_as_with_plain_angles(inverse):
-    """backends/common/rope.py: the (-sin, sin) made once per step rotate exactly as a plain (cos, sin)
+def test_device_rope_rotates_with_the_steps_matrices_as_with_plain_angles(inverse):
+    """backends/common/rope.py: the rotation matrices made once per step rotate exactly as a plain (cos, sin)
     pair does, and as the reference within fp32 rounding; ascend910's rotary inputs likewise."""
     theta = {"main": torch.tensor([1.0, 0.25, 0.01])}
     batch = Batch(torch.zeros(4, dtype=torch.int64), torch.tensor([0, 3, 17, 400]), (4,), (0,))
     step = common_rope.rope_angles(batch, tables=theta)["main"]
-    assert step.paired and step.entries == {}               # the paired sines are made with the angles
+    assert step.rotation and step.entries == {}             # the matrices are made with the angles
+    (matrices,) = step.rotation                             # block-diagonal, [[cos, sin], [-sin, cos]] per pair
+    assert matrices.shape == (4, 6, 6) and torch.equal(matrices[2, 2:4, 2:4], torch.stack(
+        (torch.stack((step.cos[2, 1], step.sin[2, 1])), torch.stack((-step.sin[2, 1], step.cos[2, 1])))))
+    assert torch.count_nonzero(matrices[:, 0:2, 2:]) == 0 and torch.count_nonzero(matrices[:, 2:4, 4:]) == 0
     x = torch.randn(4, 2, 10)
     got = common_rope.rope(x, step, rope_dim=6, inverse=inverse)
     assert torch.equal(got, common_rope.rope(x, (step.cos, step.sin), rope_dim=6, inverse=inverse))
