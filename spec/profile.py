@@ -130,9 +130,9 @@ class EpDispatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class MergedWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Two projections of one input held as one runtime weight (vLLM's gate_up_proj): the loader concatenates the
-    second's output rows after the first's into the first key and holds None under the second; the ops that take
-    both read one GEMM of the two (lib/weights/params.py merge_outputs)."""
+    """Two projections of one input held as one runtime weight (vLLM's gate_up_proj): the loader puts the second's
+    output rows after the first's ("halves") or alternating with them ("interleaved") under the first key and holds
+    None under the second; the ops that take both read one GEMM of the two (lib/weights/params.py merge_outputs)."""
     keys: tuple[str, str]       # block parameter keys (runtime keys: experts un-numbered), first then second
     reason: str
     source: str = ""

@@ -116,8 +116,9 @@ def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bia
     x dequantised (int32 x * weight_scale * activation_scale; a bf16 / fp16 x as it is), a SwiGLU in fp32, then
     each row quantised to int8 (quant_mode 1: dynamic per row, scale amax / 127). swiglu_mode 1 is the clipped
     variant on x's even | odd columns: g = min(even, L), y = g sigmoid(alpha g) (clamp(odd, -L, L) + bias), which
-    is DeepSeek-V4's clipped SwiGLU at alpha 1, bias 0. Emulated: swiglu_mode 1, dynamic quantisation, no bias,
-    smoothing or group_index (the 950-only dst_type / round_mode / activate_dim left at their defaults)."""
+    is DeepSeek-V4's clipped SwiGLU at alpha 1, bias 0; the doc requires activate_left true with swiglu_mode 1. Emulated:
+    swiglu_mode 1, dynamic quantisation, no bias, smoothing or group_index (the 950-only dst_type / round_mode /
+    activate_dim left at their defaults)."""
     if (real := emu.real_npu_op("npu_dequant_swiglu_quant")) is not None:
         return emu.forward(real, locals())
     op = "npu_dequant_swiglu_quant"
@@ -125,7 +126,8 @@ def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bia
              and group_index is None and dst_type is None and round_mode is None and activate_dim is None,
              f"{op}: only swiglu_mode 1 with dynamic quantisation (quant_mode 1), no bias / quant_scale / "
              "quant_offset / group_index and the 950-only arguments unset are emulated", NotImplementedError)
-    emu.need(x.dim() > 1 and x.shape[-1] % 2 == 0, f"{op}: x needs > 1 dims and an even last dim, found "
+    emu.need(activate_left, f"{op}: swiglu_mode 1 requires activate_left=True (aclnnDequantSwigluQuantV2.md)")
+    emu.need(2 <= x.dim() <= 8 and x.shape[-1] % 2 == 0, f"{op}: x needs 2-8 dims and an even last dim, found "
              f"{tuple(x.shape)}")
     if x.dtype == I32:
         emu.need(weight_scale is not None and activation_scale is not None, f"{op}: an int32 x needs weight_scale "

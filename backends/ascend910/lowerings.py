@@ -43,8 +43,8 @@ compress = functools.partial(attention.compress, rms=_rms)
 
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
-    """The common angles of every table (the compressors' composite rotates the entries with their
-    paired sines), and for the token rows the in-place rotary's r1 = cos and r2 = sin per pair in bf16
+    """The common angles of every table (cos and sin only: the composites that run where a fused kernel's limits
+    fail make the rotation matrices of the rows they rotate), and for the token rows the in-place rotary's r1 = cos and r2 = sin per pair in bf16
     ([1, T, 1, rope_dim]) and -r2 for the inverse, and for each ratio's entries the fused compressor's
     rope rows (StepRope.kernel): made once per step, not in each rope or compress call."""
     out = {}
@@ -123,8 +123,8 @@ def clipped_swiglu_quant(gate_up, limit: float) -> QuantisedRows:
     of the result, for the down projection, in one npu_dequant_swiglu_quant (swiglu_mode 1: min(gate, L),
     clamp(up, -L, L), alpha 1, bias 0; quant_mode 1: dynamic per row), as vllm-ascend's W8A8 MLPs fuse the
     activation and the down projection's quantisation."""
-    return QuantisedRows(*device.npu_dequant_swiglu_quant(gate_up.to(DTYPE), quant_mode=1, swiglu_mode=1,
-                                                          clamp_limit=limit, glu_alpha=1.0, glu_bias=0.0))
+    return QuantisedRows(*device.npu_dequant_swiglu_quant(gate_up.to(DTYPE), activate_left=True, quant_mode=1,
+                                                          swiglu_mode=1, clamp_limit=limit, glu_alpha=1.0, glu_bias=0.0))
 
 
 def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):

@@ -26,9 +26,10 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dt
 
     The pre and post gates are one product, one sum (scale[0] and scale[1] broadcast over their n columns each)
     and one sigmoid, and the collapse sum_j pre_j X_j one batched product: four launches fewer than each part
-    on its own (the Sinkhorn is the rest). The products and sums stay separate kernels, as the reference
-    computes them: a fused multiply-add (addcmul) rounds once, and that last-bit change of the gates was
-    enough to flip a decisive token of the tiny Pro-shaped checkpoint on ascend310p."""
+    on its own (the Sinkhorn is the rest). The gate logits keep the reference's separate product and sum: an
+    addcmul there (a fused multiply-add, one rounding) changed the last bit of a fifth of them, and through the
+    Sinkhorn that flipped a decisive token of the tiny Pro-shaped checkpoint on ascend310p (conformance). The
+    collapse's batched product and hc_post's addcmul measured within the same conformance budgets."""
     n = x.shape[1]
     m = _mix(x, fn, norm_eps, rms)                                             # [T, 2n + n*n]
     base, scale = base.float(), scale.float()

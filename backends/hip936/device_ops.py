@@ -67,7 +67,7 @@ def pad_rows_to(x: torch.Tensor, rows: int = INT_MM_MIN_ROWS, *, always: bool = 
     rows, when M >= rows) even so, so the launches do not depend on M."""
     if x.shape[0] >= rows and not always:
         return x
-    return torch.cat((x, x.new_zeros(max(0, rows - x.shape[0]), *x.shape[1:])))
+    return torch.nn.functional.pad(x, (0, 0, 0, max(0, rows - x.shape[0])))       # zero rows, one kernel
 
 
 def _check_int_mm(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -75,8 +75,8 @@ def _requant_fp4(p: PackedFP4, quantize) -> W8A8:
 
 def _quant_tokens(x: torch.Tensor):
     """Per-token symmetric int8 (round half to even): x [M, K] -> (int8 [M, K], fp32 scale [M]). The row's amax is
-    one max-norm kernel; the scale floor (the smallest normal fp32) only touches an all-zero row, whose codes are
-    zero whatever its scale."""
+    one max-norm kernel; the scale floor (the smallest normal fp32) only touches a row whose amax is below about
+    1.5e-36: an all-zero row (codes zero whatever its scale) or one of subnormal values."""
     xf = x.float()
     s = (torch.linalg.vector_norm(xf, ord=float("inf"), dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     return torch.round(xf / s[:, None]).clamp(-127, 127).to(torch.int8), s

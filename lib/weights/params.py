@@ -150,14 +150,25 @@ def merge_outputs(first, second, layout: str = "halves"):
         return _join(first, second, -2, layout)
     if isinstance(first, W4A8):
         if layout == "interleaved":     # the outputs are packed 8 to a word: interleave the codes, then repack
-            from lib.emulation.npu_ops import pack_int4, unpack_int4
-
-            words = pack_int4(_join(unpack_int4(first.qweight), unpack_int4(second.qweight), -1, layout))
-            return W4A8(words, _join(first.scale, second.scale, -1, layout))
+            return W4A8(_interleave_int4(first.qweight, second.qweight), _join(first.scale, second.scale, -1, layout))
         return W4A8(torch.cat((first.qweight, second.qweight), dim=-1), torch.cat((first.scale, second.scale), dim=-1))
     if isinstance(first, W8A8):
         return W8A8(_join(first.qweight, second.qweight, -2, layout), _join(first.scale, second.scale, -1, layout))
     raise TypeError(f"no output-row concatenation for runtime format {type(first).__name__}")
+
+
+def _interleave_int4(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Packed int4 words [..., K, N/8] of two weights -> [..., K, 2N/8], output 2j a's j-th and 2j+1 b's j-th; one
+    [K, N/8] matrix at a time, because unpacking goes through int64 (a whole Flash layer's experts at once would
+    take gigabytes)."""
+    from lib.emulation.npu_ops import pack_int4, unpack_int4
+
+    if a.shape != b.shape:
+        raise ValueError(f"interleaved merged weights need one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    lead, (k, words) = a.shape[:-2], a.shape[-2:]
+    pairs = zip(a.reshape(-1, k, words), b.reshape(-1, k, words))
+    out = [pack_int4(_join(unpack_int4(x), unpack_int4(y), -1, "interleaved")) for x, y in pairs]
+    return torch.stack(out).reshape(*lead, k, 2 * words)
 
 
 def _join(a: torch.Tensor, b: torch.Tensor, dim: int, layout: str) -> torch.Tensor:

@@ -309,8 +309,8 @@ def test_dequant_swiglu_quant_910_is_the_documented_clipped_formula_then_a_per_r
     for alpha, limit, bias in ((1.702, 7.0, 1.0), (1.0, 2.5, 0.0)):
         g = glu.clamp(max=limit)
         y = g * torch.sigmoid(alpha * g) * (lin.clamp(-limit, limit) + bias)
-        q, s = p910.npu_dequant_swiglu_quant(x.bfloat16(), quant_mode=1, swiglu_mode=1, clamp_limit=limit,
-                                             glu_alpha=alpha, glu_bias=bias)
+        q, s = p910.npu_dequant_swiglu_quant(x.bfloat16(), activate_left=True, quant_mode=1, swiglu_mode=1,
+                                             clamp_limit=limit, glu_alpha=alpha, glu_bias=bias)
         yb = (lambda g, u: g.clamp(max=limit) * torch.sigmoid(alpha * g.clamp(max=limit))
               * (u.clamp(-limit, limit) + bias))(x.bfloat16().float()[:, 0::2], x.bfloat16().float()[:, 1::2])
         assert q.dtype == torch.int8 and s.shape == (3,)
@@ -319,20 +319,22 @@ def test_dequant_swiglu_quant_910_is_the_documented_clipped_formula_then_a_per_r
         assert (q.float() * s[:, None] - y).abs().max() <= s.max() * 0.5 + 0.05 * y.abs().max()
     # DeepSeek-V4's clipped SwiGLU (B08) at alpha 1, bias 0: silu(min(gate, L)) * clamp(up, -L, L)
     silu = torch.nn.functional.silu(glu.clamp(max=2.5)) * lin.clamp(-2.5, 2.5)
-    q, s = p910.npu_dequant_swiglu_quant(x.bfloat16(), quant_mode=1, swiglu_mode=1, clamp_limit=2.5, glu_alpha=1.0,
-                                         glu_bias=0.0)
+    q, s = p910.npu_dequant_swiglu_quant(x.bfloat16(), activate_left=True, quant_mode=1, swiglu_mode=1, clamp_limit=2.5,
+                                         glu_alpha=1.0, glu_bias=0.0)
     torch.testing.assert_close(q.float() * s[:, None], silu, atol=float(s.max()), rtol=0.02)
     # an int32 GEMM output is dequantised first (weight scale per column, activation scale per row)
     acc = torch.randint(-500, 500, (3, 8), generator=gen(32), dtype=torch.int32)
     ws, xs = torch.rand(8, generator=gen(33)) / 50, torch.rand(3, generator=gen(34)) / 50
-    qi, si = p910.npu_dequant_swiglu_quant(acc, weight_scale=ws, activation_scale=xs, quant_mode=1, swiglu_mode=1,
-                                           clamp_limit=7.0, glu_alpha=1.0, glu_bias=0.0)
-    qf, sf = p910.npu_dequant_swiglu_quant((acc.float() * ws * xs[:, None]).bfloat16(), quant_mode=1, swiglu_mode=1,
-                                           clamp_limit=7.0, glu_alpha=1.0, glu_bias=0.0)
+    left = {"activate_left": True, "quant_mode": 1, "swiglu_mode": 1, "clamp_limit": 7.0, "glu_alpha": 1.0,
+            "glu_bias": 0.0}
+    qi, si = p910.npu_dequant_swiglu_quant(acc, weight_scale=ws, activation_scale=xs, **left)
+    qf, sf = p910.npu_dequant_swiglu_quant((acc.float() * ws * xs[:, None]).bfloat16(), **left)
     torch.testing.assert_close(qi.float() * si[:, None], qf.float() * sf[:, None], atol=float(sf.max()) * 2, rtol=0.02)
     for bad in ({"swiglu_mode": 0}, {"quant_mode": 0}, {"group_index": torch.tensor([2])}):
         with pytest.raises(NotImplementedError, match="swiglu_mode 1"):
-            p910.npu_dequant_swiglu_quant(x.bfloat16(), **{"quant_mode": 1, "swiglu_mode": 1, **bad})
+            p910.npu_dequant_swiglu_quant(x.bfloat16(), **{"activate_left": True, "quant_mode": 1, "swiglu_mode": 1, **bad})
+    with pytest.raises(ValueError, match="activate_left"):             # the doc: swiglu_mode 1 needs activate_left
+        p910.npu_dequant_swiglu_quant(x.bfloat16(), quant_mode=1, swiglu_mode=1)
 
 
 def test_inplace_partial_rotary_mul_910_rotates_its_slice_as_loops_do():
