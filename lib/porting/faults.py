@@ -1,6 +1,6 @@
 """The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
-backend's code path, so conformance can prove it catches each one; three pitfalls of the fused kernels
-(F01-F03: a fused path's own wrong turn, ascend910; F03 shows only where the fused compressor runs, in
+backend's code path, so conformance can prove it catches each one; four pitfalls of the fused kernels
+(F01-F04: a fused path's own wrong turn, ascend910; F03 shows only where the fused compressor runs, in
 `--context` conformance); and two long-context bugs (C01, C02, lib/porting/state_faults.py) that only
 `--context` conformance can see.
 
@@ -202,6 +202,13 @@ def compressor_table_without_slot0(h, batch, pools, wkv, wgate, ape, norm, *, ra
                                           eps=eps, angles=angles, rope_dim=rope_dim)
 
 
+def halves_merge(first: str, layout: str) -> str:
+    """F04: gate | up merged one after the other (the merge's default layout) although the kernel that reads the
+    GEMM, npu_dequant_swiglu_quant's clipped SwiGLU (swiglu_mode 1), takes the gate from the even columns and up
+    from the odd ones: every activation mixes gate and up rows."""
+    return "halves"
+
+
 def unchecked_fused_widths(kernels, cfg, relax_widths=False):
     """F02: a fused kernel chosen without its width limit (only the other limits checked), so it runs
     at a hidden size it is not built for; the device refuses (here: the emulation's own check)."""
@@ -285,6 +292,8 @@ CATALOGUE: dict[str, Injection] = {
                      "its neighbour's slot)", ("ascend910",), rewrite=_rewrite(calls={
                          "compress@compressor": "lib.porting.faults:compressor_table_without_slot0"}),
                      min_context=F03_SHOWS_FROM),
+    "F04": Injection("F04", "merged gate | up held as halves while npu_dequant_swiglu_quant reads even | odd columns",
+                     ("ascend910",), load=LoadFaults(merged_layout=halves_merge)),
     "C01": Injection("C01", "compressed-entry RoPE positions carried in float16 (one window off past 8192)", ALL,
                      rewrite=_rewrite(calls={"compress": "lib.porting.state_faults:fp16_entry_positions",
                                              "compress@compressor": "lib.porting.state_faults:fp16_entry_positions_fused"}),

@@ -40,6 +40,7 @@ class LoadFaults(NamedTuple):
     part_index: Callable | None = None         # TP slicing of a tensor's stored parts (tp_slices.part_index)
     expert_placement: Callable | None = None   # EP expert map (lib/records/expert_placement.py)
     fused_choice: Callable | None = None       # (kernels, cfg, relax_widths) -> fused kernels chosen (spec/fused.py chosen)
+    merged_layout: Callable | None = None      # (first key, the profile's layout) -> the layout the port merged with
 
 
 class LoadOptions(NamedTuple):
@@ -127,6 +128,8 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     ledger.check(other_ranks=other_ranks)
     for block in blocks.values():
         for first, second, layout in merged:
+            if options.faults.merged_layout is not None:
+                layout = options.faults.merged_layout(first, layout)
             if first in block and second in block:
                 block[first], block[second] = merge_outputs(block[first], block[second], layout), None
     _add_derived(blocks, model, ckpt.config, options)
