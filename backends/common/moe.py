@@ -19,26 +19,33 @@ def _scores(x, gate) -> torch.Tensor:
 
 
 def _pick(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """values[t, ids[t, j]] for [T, E] values and [T, k] int32 ids, as a one-hot contraction."""
+    """values[t, ids[t, j]] for [T, E] values and [T, k] int32 ids, as a one-hot contraction (no gather: a
+    gather is an AI-CPU op on 310P, L14)."""
     onehot = ids[:, :, None] == torch.arange(values.shape[-1], dtype=torch.int32)[None, None, :]
     return (onehot * values[:, None, :]).sum(-1)
 
 
-def _weights(scores, ids, route_scale):
-    picked = _pick(scores, ids)
+def pick_gathered(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """values[t, ids[t, j]] in one gather, for a device whose gather runs on the device itself; the same values
+    as the one-hot contraction bit for bit (a product with one and sums of exact zeros)."""
+    return torch.gather(values, 1, ids.long())
+
+
+def _weights(scores, ids, route_scale, pick=_pick):
+    picked = pick(scores, ids)
     return route_scale * picked / picked.sum(-1, keepdim=True)
 
 
-def route_hash(x, gate, tid2eid, tokens, route_scale: float):
+def route_hash(x, gate, tid2eid, tokens, route_scale: float, pick=_pick):
     """Hash layers: experts = tid2eid[token] (B07); weights from the gate's scores of those experts."""
     ids = tid2eid.index_select(0, tokens.to(torch.int32)).to(torch.int32)
-    return _weights(_scores(x, gate), ids, route_scale), ids
+    return _weights(_scores(x, gate), ids, route_scale, pick), ids
 
 
-def route_learned(x, gate, bias, topk: int, route_scale: float):
+def route_learned(x, gate, bias, topk: int, route_scale: float, pick=_pick):
     scores = _scores(x, gate)
     ids = torch.topk(scores + bias.float(), topk, dim=-1).indices.to(torch.int32)
-    return _weights(scores, ids, route_scale), ids
+    return _weights(scores, ids, route_scale, pick), ids
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -73,6 +73,11 @@ def _requant_fp4(p: PackedFP4, quantize) -> W8A8:
     return quantize(values.view(*lead, 2 * half))
 
 
+# the routers' picked scores in one gather (a gather runs on the DCU; the one-hot contraction is for 310P's AI-CPU, L14)
+route_hash = functools.partial(moe.route_hash, pick=moe.pick_gathered)
+route_learned = functools.partial(moe.route_learned, pick=moe.pick_gathered)
+
+
 def _quant_tokens(x: torch.Tensor):
     """Per-token symmetric int8 (round half to even): x [M, K] -> (int8 [M, K], fp32 scale [M]). The row's amax is
     one max-norm kernel; the scale floor (the smallest normal fp32) only touches a row whose amax is below about
