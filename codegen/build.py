@@ -88,7 +88,8 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
                     for cls, fmt in sorted(formats.items())],
         "lessons": sorted(profile.lessons.items()),
         "expert_modes": sorted(expert_modes.items()),
-        "merged": [(*m.keys, m.layout) for m in profile.merged_weights.values()],
+        "merged": [(*m.keys, m.layout) for m in profile.merged_weights.values()]
+                  + [(*pair.keys, "stacked") for pair in profile.shared_inputs.values() if pair.one_gemm],
         "pairing": [{"kind": kind, "name": name, "reason": entry.reason, "source": entry.source,
                      "params": " + ".join(f"`{k}`" for k in getattr(entry, "keys", None) or (entry.key,))}
                     for kind, table_ in (("one weight (merged_weights)", profile.merged_weights),

@@ -170,6 +170,7 @@ class _Lowerer:
         body: list[str] = []
         fname = "forward" if name == "model" else name + "".join(f"_{v}" for v in kind.values())
         pairs = self.linear_pairs(name, kind, scope)
+        self.check_one_gemm(name, kind, pairs, pkeys)
         norms = self.quantised_norms(name, kind, scope)
         for i, step in enumerate(prog.steps):
             if not step.when.matches(kind) or i in pairs.values():
@@ -180,7 +181,8 @@ class _Lowerer:
                 second = prog.steps[pairs[i]]
                 pair = self.pair_of(step, second)
                 weight = self.value(second.args["weight"], env, pkeys, scope, where, kind)
-                body += _assign(step.out + second.out, f"{self.function(pair.call)}(", args + [weight])
+                body += _assign(step.out + second.out, f"{self.function(pair.call)}(",
+                                args + [weight] + (["merged=True"] if pair.one_gemm else []))
                 env |= set(step.out) | set(second.out)
                 continue
             if i in norms:
@@ -204,6 +206,20 @@ class _Lowerer:
         extra = ["cfg", "rope"] if scope == "model" else ["layer", "cfg", "rope"]
         doc = prog.doc.strip() + (f" Variant: {', '.join(f'{k}={v}' for k, v in kind.items())}." if kind else "")
         return Function(fname, ", ".join([first, *prog.inputs, *extra]), doc, tuple(body))
+
+    def check_one_gemm(self, name: str, kind: dict[str, str], pairs: dict[int, int], pkeys: set[str]) -> None:
+        """The first weight of a one_gemm pair holds both weights' rows in a block that has both: a step reading it
+        outside the pair call (a render that records, times or rewrites `linear`, or a program using it alone)
+        would get the wrong rows."""
+        prog = self.lg.graph.programs[name]
+        for pair in self.profile.shared_inputs.values():
+            if not pair.one_gemm or not set(pair.keys) <= pkeys:
+                continue
+            for i, step in enumerate(prog.steps):
+                if step.when.matches(kind) and i not in pairs and f"p.{pair.keys[0]}" in step.args.values():
+                    raise SpecError(f"{self.lg.where(name, i)}: backend '{self.profile.name}' holds {pair.keys[0]} and "
+                                    f"{pair.keys[1]} as one weight (shared_inputs one_gemm), but this step reads "
+                                    f"{pair.keys[0]} outside their pair call")
 
     def pair_of(self, first, second):
         keys = (first.args["weight"][2:], second.args["weight"][2:])

@@ -137,8 +137,9 @@ class MergedWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     reason: str
     source: str = ""
     # "halves": the second's output rows after the first's ([gate | up]); "interleaved": row 2j the first's j-th,
-    # 2j+1 the second's (the even | odd columns a GPT-OSS-style SwiGLU kernel splits its input into)
-    layout: Literal["halves", "interleaved"] = "halves"
+    # 2j+1 the second's (the even | odd columns a GPT-OSS-style SwiGLU kernel splits its input into); "stacked":
+    # as halves, and the second is still held alone, as a view of its rows (a shared_inputs pair with one_gemm)
+    layout: Literal["halves", "interleaved", "stacked"] = "halves"
 
 
 class SharedInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -149,6 +150,10 @@ class SharedInput(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     call: str                   # "module:function" (x, first, second) -> (first's output, second's output)
     reason: str
     source: str = ""
+    # the two weights held as one (the loader stacks the second's rows after the first's, layout "stacked"): the call
+    # gets merged=True and makes one GEMM, its two outputs views of the one result; the second stays usable alone
+    # (a view of its rows), the first is read only by the pair call (the build refuses a lone use)
+    one_gemm: bool = False
 
 
 class QuantisedNorm(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -18,6 +18,9 @@ CSA_RATIO = 4
 # shared by the layers after them (V41-REFERENCE §1.4, from the tech report §4.2.1 and the official
 # inference/model.py, code-index ids 66669268318 and 70871433627). No V4 config gets these kinds.
 Attention = Literal["swa", "csa", "hca", "dspark", "csa2", "csa1"]
+# The RoPE table of the layers with a positive ratio (YaRN, compress_rope_theta): the only table whose rotation
+# of a step's completed entries a compressor reads.
+COMPRESS_TABLE = "compress"
 Role = Literal["backbone", "mtp", "dspark"]
 
 
@@ -81,7 +84,7 @@ def schedule(cfg: ModelConfig) -> tuple[LayerInfo, ...]:
             ratio=ratio,
             # hash routing only for the first num_hash_layers backbone layers (drafters learn)
             routing="hash" if backbone and i < cfg.num_hash_layers else "learned",
-            rope="compress" if ratio > 0 else "main",
+            rope=COMPRESS_TABLE if ratio > 0 else "main",
             stage=stage,
             last_stage=(not backbone) and stage == stages - 1,
             kv_source=backbone and (i in kv_sources if shared_kv else ratio > 0),

@@ -56,13 +56,13 @@ def _grouped(x, weight: W8A8, group_list):
 
 
 def grouped_linear_w8a8(x, weight: W8A8, groups: int):
-    """wo_a: head group g [T, H/G*D] through rows [gR, (g+1)R) as a grouped GEMM over G groups."""
+    """wo_a: head group g [T, H/G*D] through rows [gR, (g+1)R) as a grouped GEMM over G groups -> [T, G, R]."""
     t = x.shape[0]
     xg = x.reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)          # rows grouped by g
     wg = W8A8(weight.qweight.reshape(groups, -1, weight.qweight.shape[-1]), weight.scale.reshape(groups, -1))
     group_list = _cumulative_groups(groups, t)                                     # cumulative (L07)
     y = _grouped(xg, wg, group_list)                                               # [G*T, R]
-    return y.reshape(groups, t, -1).transpose(0, 1).reshape(t, -1)
+    return y.reshape(groups, t, -1).transpose(0, 1)             # [T, G, R], a view: o_proj reads group-major rows
 
 
 def _cumulative_groups(groups: int, rows: int) -> torch.Tensor:

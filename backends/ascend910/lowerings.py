@@ -17,6 +17,7 @@ from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
 from lib.records.step_rope import StepRope
 from lib.quant.runtime_formats import W4A8, W8A8
+from spec.schedule import COMPRESS_TABLE
 
 DTYPE = torch.bfloat16
 INT4 = torch.quint4x2       # torch_npu's marker for int4 packed 8 per int32
@@ -46,11 +47,13 @@ def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     """The common angles of every table (cos and sin only: the composites that run where a fused kernel's limits
     fail make the rotation matrices of the rows they rotate), and for the token rows the in-place rotary's r1 = cos and r2 = sin per pair in bf16
     ([1, T, 1, rope_dim]) and -r2 for the inverse, and for each ratio's entries the fused compressor's
-    rope rows (StepRope.kernel): made once per step, not in each rope or compress call."""
+    rope rows (StepRope.kernel) of the table compressors read (spec/schedule.py COMPRESS_TABLE): made once per
+    step, not in each rope or compress call."""
     out = {}
     for name, step in common_rope.rope_angles(batch, tables=tables, rotation=False).items():
         r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
-        entries = {m: e._replace(kernel=_compressor_rows(e, batch, m)) for m, e in step.entries.items()}
+        entries = step.entries if name != COMPRESS_TABLE else {
+            m: e._replace(kernel=_compressor_rows(e, batch, m)) for m, e in step.entries.items()}
         out[name] = step._replace(rotary=(r1, r2, -r2), entries=entries)
     return out
 
@@ -106,10 +109,16 @@ def linear_w8a8(x, weight: W8A8):
     return _quant_matmul(*_quantised(x), weight)
 
 
-def linear_w8a8_pair(x, first: W8A8, second: W8A8):
-    """Two W8A8 linears of one input (profile shared_inputs): x quantised once, two quantised GEMMs, as
-    vllm-ascend's DeepSeek-V4 attention shares the hidden state's quantisation between wq_a and wkv."""
+def linear_w8a8_pair(x, first: W8A8, second: W8A8, merged: bool = False):
+    """Two W8A8 linears of one input (profile shared_inputs): x quantised once, as vllm-ascend's DeepSeek-V4
+    attention shares the hidden state's quantisation between wq_a and wkv. `merged` (shared_inputs one_gemm):
+    `first` holds both weights' rows, `second` a view of its last rows, and one quantised GEMM makes both outputs
+    (vLLM's fused_wqa_wkv), returned as column views of it; each output column is the same int32 dot product and
+    scaling as the separate GEMM's."""
     xq, xs = _quantised(x)
+    if merged:
+        y, n = _quant_matmul(xq, xs, first), second.qweight.shape[-2]
+        return y[..., :-n], y[..., -n:]
     return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
 
 

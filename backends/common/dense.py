@@ -85,11 +85,12 @@ def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped wo_a with a dense weight [G*R, H/G*D]: x [T, H, D] -> [T, G*R]."""
+    """Grouped wo_a with a dense weight [G*R, H/G*D]: x [T, H, D] -> [T, G, R], a view of the one batched
+    product's group-major [G, T, R] (o_proj reads it group by group: no copy at any T)."""
     t = x.shape[0]
     xg = x.to(weight.dtype).reshape(t, groups, -1)
     wg = weight.reshape(groups, -1, xg.shape[-1])
-    return group_mm(xg.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(t, -1)   # one batched product
+    return group_mm(xg.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1)   # one batched product
 
 
 def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> torch.Tensor:
@@ -98,7 +99,7 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
     and the TP ranks, rounded once. An fp32 sum of at most o_groups bf16/fp16 values is exact
     unless they span more than ~13 binades, so the TP split does not change the result."""
     t = x.shape[0]
-    xg = x.to(weight.dtype).reshape(t, groups, -1)                       # [T, G, R]
+    xg = x.to(weight.dtype).reshape(t, groups, -1)                       # [T, G, R] (a view of grouped_linear's)
     wg = weight.reshape(weight.shape[0], groups, -1)                     # [d, G, R]
     total = group_mm(xg.transpose(0, 1), wg.permute(1, 2, 0)).float().sum(0)   # [G, T, d] products, one launch
     return parallel.all_reduce(total, group).to(weight.dtype)

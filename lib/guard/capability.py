@@ -40,8 +40,10 @@ PY_SYNCS = MappingProxyType({getattr(torch.Tensor, n): f"Tensor.{n}" for n in (
 MASK_INDEXED = frozenset({"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
 # Launch rule: an aten op is one kernel launch unless it only relabels memory or allocates. Not counted: ops
 # whose schema returns an alias without writing (`OpOverload.is_view`: view, select, slice, t, permute, expand,
-# unbind, split, detach, alias, lift_fresh, as_strided ...), Tag.inplace_view (t_, unsqueeze_ ...), reshape's
-# `_unsafe_view` (its clone counts), empty* (the allocator launches nothing), size queries, and host syncs.
+# unbind, split, detach, alias, lift_fresh, as_strided ...) when the result does alias an input, Tag.inplace_view
+# (t_, unsqueeze_ ...), reshape's `_unsafe_view` (its clone counts), empty* (the allocator launches nothing), size
+# queries, and host syncs. An alias-schema op whose result is new memory copied (`to` changing the dtype,
+# `contiguous` or `reshape` of a strided tensor, as they reach the modes under inference_mode): one launch.
 NO_KERNEL = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                        "new_empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
@@ -118,6 +120,12 @@ def _data_dependent(func, args, kwargs) -> bool:
         return kwargs.get("output_size") is None
     # torch's own tag covers nonzero, masked_select, _unique*, unique_dim/_consecutive, bincount.
     return torch.Tag.dynamic_output_shape in func.tags
+
+
+def _aliases(out, inputs) -> bool:
+    """Whether every tensor `out` holds shares memory with one of the input tensors (a view, not a copy)."""
+    bases = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in bases for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 class CapabilityGuard:
@@ -217,6 +225,8 @@ class CapabilityGuard:
             self._flag("data-dependent", op, DATA_DEPENDENT, "is data-dependent")
         bad_input = self._check_dtypes(op, (args, kwargs), "uses")
         out = func(*args, **kwargs)
+        if func.is_view and packet not in HOST_SYNC_OPS and not _aliases(out, (args, kwargs)):
+            self._launches[self._section][op] += 1      # a copy under an alias schema (to, contiguous, reshape)
         if not bad_input:  # creation ops and casts: zeros(dtype=bf16), _to_copy
             self._check_dtypes(op, out, "returns")
         return out

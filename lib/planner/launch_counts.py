@@ -73,8 +73,11 @@ class LaunchReport(NamedTuple):
     # "context" (drafter ring rows of committed positions), "draft" (the drafter's block); None
     # for a checkpoint without a DSpark drafter
     dspark: dict[str, int] | None = None
-    batch: int = 1     # sequences that stepped together (the counts must not depend on it)
+    batch: int = 1     # sequences that stepped together
     addressing: int = 0     # host ops building the decode step's Addressing (paged cache), not launches
+    # of `total`: copies made by ops whose schema returns a view (a reshape or contiguous of rows that are strided,
+    # a cast), the one part of a step that may grow with the batch (one row of a [T, k] expand is still a view)
+    copies: int = 0
 
 
 def shrunk_flash(full_depth: bool = False, stages: Stages | None = None) -> Path:
@@ -210,18 +213,21 @@ def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
     if set(held) != set(real):
         raise ValueError(f"{path} has layer kinds {sorted(held)}, its schedule {sorted(real)}")
 
+    def value(c, field: str) -> int:
+        return _copies(c) if field == "copies" else getattr(c, field)
+
     def per_layer(part: str, kind: str, field: str) -> int:
-        value, n = getattr(sections[f"{part}/{kind}"], field), held[kind]
-        if value % n:
-            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value} {field} in {part}: not the same per layer")
-        return value // n
+        value_, n = value(sections[f"{part}/{kind}"], field), held[kind]
+        if value_ % n:
+            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value_} {field} in {part}: not the same per layer")
+        return value_ // n
 
     def once(part: str, field: str = "ops") -> int:
         """Launches outside the blocks, and those a step makes once in whichever layer first needs them (a tiling
         every layer of one shape reuses: lib/guard/capability.py ONCE_PER_STEP), never scaled by the layer count."""
         nested = (c for name, c in sections.items()
                   if name.startswith(f"{part}/") and name.endswith(f"/{ONCE_PER_STEP}"))
-        return getattr(sections[part], field) + sum(getattr(c, field) for c in nested)
+        return value(sections[part], field) + sum(value(c, field) for c in nested)
 
     def part_total(part: str, field: str = "ops") -> int:
         """A target forward on the real schedule: launches once per step + per layer x real layers."""
@@ -234,7 +240,18 @@ def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
         dspark |= {part: sum(c.ops for name, c in sections.items() if name.split("/")[0] == part)
                    for part in ("context", "draft")}
     return LaunchReport(backend, rows, once("decode"), part_total("decode"), part_total("decode", "syncs"),
-                        dspark, batch, sections["decode/paged cache"].ops)
+                        dspark, batch, sections["decode/paged cache"].ops, part_total("decode", "copies"))
+
+
+def _copies(c) -> int:
+    """Launches in a guard section by aten ops whose schema returns a view (the guard counts one only when it
+    copied: lib/guard/capability.py)."""
+    def alias(op: str) -> bool:             # "aten.reshape.default"; a device op is a bare name
+        parts = op.split(".")
+        if len(parts) != 3 or parts[0] != "aten":
+            return False
+        return getattr(getattr(torch.ops.aten, parts[1]), parts[2]).is_view
+    return sum(n for op, n in c.launches.items() if alias(op))
 
 
 def format_report(r: LaunchReport) -> str:
@@ -242,7 +259,9 @@ def format_report(r: LaunchReport) -> str:
              f"(43 layers, 256 experts, top-6; widths shrunk)",
              f"  {'layer kind':<18} {'layers':>6} {'launches/layer':>15} {'syncs/layer':>12}"]
     lines += [f"  {row.kind:<18} {row.layers:>6} {row.launches:>15} {row.syncs:>12}" for row in r.rows]
-    lines += [f"  {'outside / per step':<18} {'':>6} {r.outside:>15}", f"  total launches {r.total}, host syncs {r.syncs}",
+    lines += [f"  {'outside / per step':<18} {'':>6} {r.outside:>15}",
+              f"  total launches {r.total} ({r.copies} of them copies by view-schema ops: casts, strided reshapes), "
+              f"host syncs {r.syncs}",
               f"  (besides: {r.addressing} host ops building the step's paged-cache addressing)"]
     if r.dspark:
         lines.append(f"  DSpark round: verify {r.dspark['verify']} + drafter ring rows {r.dspark['context']} + "
@@ -250,19 +269,24 @@ def format_report(r: LaunchReport) -> str:
     return "\n".join(lines)
 
 
-def as_record(r: LaunchReport) -> dict:
-    return {"decode": r.total, "host_syncs": r.syncs, "outside_blocks": r.outside,
+def as_record(r: LaunchReport, sixteen: LaunchReport) -> dict:
+    """One backend's record: batch 1's counts, and the decode step of 16 sequences (`sixteen`)."""
+    if (r.batch, sixteen.batch) != (1, 16) or r.backend != sixteen.backend:
+        raise ValueError(f"a record is batch 1 and batch 16 of one backend, got {r.backend} batch {r.batch} and "
+                         f"{sixteen.backend} batch {sixteen.batch}")
+    return {"decode": r.total, "decode_batch16": sixteen.total, "host_syncs": r.syncs, "outside_blocks": r.outside,
             "per_layer_kind": {row.kind: {"layers": row.layers, "launches": row.launches} for row in r.rows},
             "dspark_round": r.dspark}
 
 
-def record(reports: list[LaunchReport], path: Path = RECORD) -> Path:
-    """Merge these backends' counts into the record (atomically: a half-written record never loads)."""
+def record(reports: list[LaunchReport], sixteen: list[LaunchReport], path: Path = RECORD) -> Path:
+    """Merge these backends' counts (batch 1, and `sixteen`: batch 16 of the same backends) into the record
+    (atomically: a half-written record never loads)."""
     data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     data["doc"] = ("Kernel launches of one decode step and one DSpark round on the DeepSeek-V4-Flash-0731 schedule "
                    "with shrunk widths (lib/planner/launch_counts.py), per backend. Written by `dsv4gen plan --ops --record`; "
                    "read by `dsv4gen plan` (lib/planner/speed.py); tests/planner/test_launches.py checks it is fresh.")
-    data.setdefault("backends", {}).update({r.backend: as_record(r) for r in reports})
+    data.setdefault("backends", {}).update({r.backend: as_record(r, m) for r, m in zip(reports, sixteen, strict=True)})
     data["backends"] = dict(sorted(data["backends"].items()))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -205,8 +205,8 @@ def compressor_table_without_slot0(h, batch, pools, wkv, wgate, ape, norm, *, ra
 def halves_merge(first: str, layout: str) -> str:
     """F04: gate | up merged one after the other (the merge's default layout) although the kernel that reads the
     GEMM, npu_dequant_swiglu_quant's clipped SwiGLU (swiglu_mode 1), takes the gate from the even columns and up
-    from the odd ones: every activation mixes gate and up rows."""
-    return "halves"
+    from the odd ones: every activation mixes gate and up rows. Other merges keep their layout."""
+    return "halves" if layout == "interleaved" else layout
 
 
 def unchecked_fused_widths(kernels, cfg, relax_widths=False):

@@ -131,13 +131,25 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
             if options.faults.merged_layout is not None:
                 layout = options.faults.merged_layout(first, layout)
             if first in block and second in block:
-                block[first], block[second] = merge_outputs(block[first], block[second], layout), None
+                block[first], block[second] = merged_pair(block[first], block[second], layout)
     _add_derived(blocks, model, ckpt.config, options)
     infos = schedule(ckpt.config)
     n = ckpt.config.num_hidden_layers
     layers = tuple(blocks.get(info.prefix, {}) for info in infos[:n])
     drafter = tuple(blocks.get(info.prefix, {}) for info in infos[n:])
     return Params(model, layers, drafter, infos[:n], infos[n:])
+
+
+def merged_pair(first, second, layout: str):
+    """What a block holds under the two keys of a merged pair: the one weight, then None, or for "stacked" (a
+    shared_inputs pair with one_gemm) a W8A8 view of the second's rows, which a lone use of the second reads."""
+    if layout != "stacked":
+        return merge_outputs(first, second, layout), None
+    if not isinstance(first, W8A8) or not isinstance(second, W8A8):
+        raise TypeError(f"stacked weights are W8A8 rows, got {type(first).__name__} and {type(second).__name__}")
+    merged = merge_outputs(first, second, "halves")
+    n = second.qweight.shape[-2]
+    return merged, W8A8(merged.qweight[..., -n:, :], merged.scale[..., -n:])     # contiguous rows: no copy
 
 
 def merge_outputs(first, second, layout: str = "halves"):

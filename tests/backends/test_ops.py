@@ -157,4 +157,4 @@ def test_grouped_linear_uses_each_group_block():
     w = torch.zeros(2, 4)
     w[0, 0] = 1.0                                            # group 0, row 0 reads head 0 dim 0
     w[1, 3] = 1.0                                            # group 1, row 0 reads head 3 dim 1
-    assert basic.grouped_linear(x, w, groups=2).tolist() == [[0.0, 7.0]]
+    assert basic.grouped_linear(x, w, groups=2).tolist() == [[[0.0], [7.0]]]

@@ -19,6 +19,7 @@ from lib.runtime.loaded_model import load_model
 from lib.weights.tiny_checkpoint import make_tiny
 from spec.graph import load_graph
 from spec.profile import OpLowering, backend_names, load_profile
+from spec.yamlio import SpecError
 from spec.tables import load_tensor_table
 
 
@@ -98,22 +99,31 @@ def test_every_layer_kind_gets_its_own_function():
 
 def test_a_shared_input_pair_is_one_call_where_its_weights_have_the_pair_format():
     """ascend910's shared_inputs: wq_a and wkv (every attention kind) and CSA's wq_b and indexer wq_b become one call
-    made where the first linear is; a recording render keeps one call per linear; the pair computes exactly what the
-    two linears do."""
+    made where the first linear is, each pair one GEMM of the two weights stacked (one_gemm); a render that records
+    `linear` would read the stacked first weight alone, so it is refused; the pair computes exactly what the two
+    linears do, separately or stacked, and the stacked second is a view of the one weight's rows."""
     import torch
 
     from backends.ascend910 import lowerings
     from codegen.lower import Rewrite
     from lib.quant.runtime_formats import quantize_rows
+    from lib.weights.params import merged_pair
 
     graph, table, p910 = load_graph(), load_tensor_table(), load_profile("ascend910")
     fns = {f.name: "\n".join(f.body) for f in lower(graph, p910, table).functions}
-    pair = '_lowerings.linear_w8a8_pair(h, lp["attn.wq_a.weight"], lp["attn.wkv.weight"])'
+    pair = '_lowerings.linear_w8a8_pair(h, lp["attn.wq_a.weight"], lp["attn.wkv.weight"], merged=True)'
     assert all(f"q_lora, kv_flat = {pair}" in fns[f"attention_{k}"] for k in ("swa", "csa", "hca", "dspark"))
-    assert "q_flat, iq_flat = _lowerings.linear_w8a8_pair(c_q" in fns["attention_csa"]
+    csa_pair = "q_flat, iq_flat = _lowerings.linear_w8a8_pair(\n    c_q,\n    lp[\"attn.wq_b.weight\"],\n" \
+               "    lp[\"attn.indexer.wq_b.weight\"],\n    merged=True,\n)"
+    assert csa_pair in fns["attention_csa"]
     assert "linear_w8a8_pair(c_q" not in fns["attention_hca"]            # no indexer: wq_b alone
     assert fns["attention_csa"].index("iq_flat") < fns["attention_csa"].index("_attention.compress")
-    recorded = {f.name: "\n".join(f.body) for f in lower(graph, p910, table, Rewrite(record_ops=("linear",))).functions}
+    with pytest.raises(SpecError, match="attn.wq_a.weight and attn.wkv.weight as one weight"):
+        lower(graph, p910, table, Rewrite(record_ops=("linear",)))
+    unmerged = p910.__class__(**{**{f: getattr(p910, f) for f in p910.__struct_fields__},
+                                 "shared_inputs": {k: msgspec.structs.replace(v, one_gemm=False)
+                                                   for k, v in p910.shared_inputs.items()}})
+    recorded = {f.name: "\n".join(f.body) for f in lower(graph, unmerged, table, Rewrite(record_ops=("linear",))).functions}
     assert "linear_w8a8_pair" not in recorded["attention_csa"]
     assert "linear_w8a8_pair" not in "\n".join("\n".join(f.body) for f in lower(graph, load_profile("cpu"), table).functions)
     g = torch.Generator().manual_seed(5)
@@ -121,6 +131,10 @@ def test_a_shared_input_pair_is_one_call_where_its_weights_have_the_pair_format(
     w1, w2 = (quantize_rows(torch.randn(n, 64, generator=g)) for n in (16, 24))
     a, b = lowerings.linear_w8a8_pair(x, w1, w2)
     assert torch.equal(a, lowerings.linear_w8a8(x, w1)) and torch.equal(b, lowerings.linear_w8a8(x, w2))
+    stacked, view = merged_pair(w1, w2, "stacked")
+    assert stacked.qweight.shape == (40, 64) and view.qweight.data_ptr() == stacked.qweight[16:].data_ptr()
+    a2, b2 = lowerings.linear_w8a8_pair(x, stacked, view, merged=True)
+    assert torch.equal(a2, a) and torch.equal(b2, b) and torch.equal(lowerings.linear_w8a8(x, view), b)
 
 
 def test_a_quantised_norm_hands_its_linears_quantised_rows_only_where_linears_alone_read_it():

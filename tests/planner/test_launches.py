@@ -4,7 +4,8 @@ Launch counts bound a real NPU; decode must never wait on the host. Runs every b
 shrunken-width Flash-0731 checkpoint (one layer per kind, 256 experts, top-6, scaled to the real
 43-layer schedule) through the real loader and the engine's paged cache, and checks the counts the
 speed planner reads (data/decode-launches.json) are the ones measured here, and that a decode step
-of 16 sequences launches what one of a single sequence does (the ops are batch-wide); `-m slow`
+of 16 sequences launches the kernels one of a single sequence does (the ops are batch-wide) but
+for copies of rows strided only at 16; `-m slow`
 also checks the scaling against the full 43-layer checkpoint.
 """
 from __future__ import annotations
@@ -48,22 +49,28 @@ def test_decode_step_has_no_host_sync(loaded, backend):
     assert report.total == report.outside + sum(r.launches * r.layers for r in report.rows)
     assert kinds["csa / learned"].launches > kinds["hca / learned"].launches     # the indexer costs launches
     assert report.dspark["verify"] > report.dspark["draft"] > report.dspark["context"] > 0
-    assert as_record(report) == recorded(backend), (
+    sixteen = count_launches(loaded(backend), 16, with_round=False)
+    assert as_record(report, sixteen) == recorded(backend), (
         f"data/decode-launches.json is stale for {backend}; run: dsv4gen plan --ops --backend {backend} --record")
 
 
 @pytest.mark.parametrize("backend", backend_names())
-def test_decode_launches_do_not_depend_on_the_batch(loaded, backend):
+def test_decode_kernels_do_not_depend_on_the_batch(loaded, backend):
+    """The ops are batch-wide: 16 sequences launch the kernels one does, except copies that a view-schema op makes
+    of rows strided at 16 rows and not at one (a [T, k] expand flattened, a transposed group split on 310P);
+    ascend910 makes none."""
     one, many = (count_launches(loaded(backend), batch, with_round=False) for batch in (1, 16))
     assert many.batch == 16 and many.syncs == 0
-    assert (many.rows, many.outside, many.total) == (one.rows, one.outside, one.total)
+    assert many.total - many.copies == one.total - one.copies and many.copies >= one.copies > 0
+    if backend == "ascend910":
+        assert (many.rows, many.outside, many.total) == (one.rows, one.outside, one.total)
 
 
 def test_plan_ops_cli(flash, capsys):
     assert main(["plan", "--backend", "cpu", "--ops", "--batch", "16"]) == 0
     out = capsys.readouterr().out
     assert "decode step of 16 sequence(s)" in out and "csa / learned          20" in out and "host syncs 0" in out
-    assert f"total launches {recorded('cpu')['decode']}," in out
+    assert f"total launches {recorded('cpu')['decode_batch16']} (" in out
     assert main(["plan", "--backend", "all"]) == 2
     assert "dsv4gen plan needs one --backend" in capsys.readouterr().err
     assert main(["plan", "--backend", "cpu", "--ops", "--batch", "0"]) == 2

@@ -18,8 +18,11 @@ from lib.weights.params import LoadOptions, runtime_key
 from lib.runtime.loaded_model import generated, load_model
 from lib.weights.tiny_checkpoint import make_tiny
 from lib.quant.runtime_formats import W8A8
+from spec.profile import load_profile
 
 BACKENDS = ("cpu", "ascend310p", "ascend910", "hip936")
+# first -> second key of the weight pairs a backend stacks into one (profile shared_inputs one_gemm)
+STACKED = {pair.keys[0]: pair.keys[1] for b in BACKENDS for pair in load_profile(b).shared_inputs.values() if pair.one_gemm}
 # The default tiny preset cannot be split (test_default_tiny_is_refused): wo_a's o_groups*o_lora_rank
 # = 128 rows (wo_b: columns) are one FP8 block, which TP 2 would cut; TP 4 also cuts indexer.wq_b
 # (8*32 rows) and o_groups = 2. This variant keeps the preset's layer kinds and makes every split
@@ -64,10 +67,18 @@ def loads(tp_ckpt):
 
 
 def _value(params, t):
+    """The runtime weight of logical tensor t; the first of two weights a block holds stacked as one (profile
+    shared_inputs one_gemm: the second is a view of the stacked rows) is the stacked weight's leading rows."""
     if t.layer is None:
         return params.model[runtime_key(t)]
     blocks = params.layers if t.layer.role == "backbone" else params.drafter
-    return blocks[int(t.layer.prefix.split(".")[1])][runtime_key(t)]
+    block, key = blocks[int(t.layer.prefix.split(".")[1])], runtime_key(t)
+    stacked, tail = block[key], block.get(STACKED.get(key, ""))
+    if not (isinstance(stacked, W8A8) and isinstance(tail, W8A8)) or \
+            tail.qweight.untyped_storage().data_ptr() != stacked.qweight.untyped_storage().data_ptr():
+        return stacked                  # not stacked on this backend
+    assert tail.qweight.data_ptr() == stacked.qweight[-tail.qweight.shape[0]:].data_ptr(), key    # its last rows
+    return _take(stacked, 0, slice(0, stacked.qweight.shape[0] - tail.qweight.shape[0]))
 
 
 def _take(value, dim: int, sl: slice):
@@ -128,6 +139,11 @@ def test_tp_rank_holds_its_slice_of_every_tensor(tp_ckpt, loads, backend):
     q = wo_b.qweight if isinstance(wo_b, W8A8) else wo_b
     assert (q.shape if q.dim() == 2 else (q.shape[1], q.shape[0] * q.shape[2])) == (256, 256)   # [G, d, R] on 310P
     assert local.params.layers[0]["attn.attn_sink"].shape == (4,)          # 1-D rows: heads 4..7
+    if backend == "ascend910":          # wq_a | wkv stacked (and CSA's wq_b | indexer wq_b): the unstacking above ran
+        for layer, first, second in ((0, "attn.wq_a.weight", "attn.wkv.weight"),
+                                     (2, "attn.wq_b.weight", "attn.indexer.wq_b.weight")):
+            block = local.params.layers[layer]
+            assert block[second].qweight.untyped_storage().data_ptr() == block[first].qweight.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

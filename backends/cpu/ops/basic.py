@@ -88,16 +88,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     """Grouped low-rank projection wo_a (§3.6 step 7).
 
     x [T, H, D] -> heads split into `groups` contiguous groups; group g's [H/G*D] vector goes
-    through rows [g*R, (g+1)*R) of weight [G*R, H/G*D]; result [T, G*R].
+    through rows [g*R, (g+1)*R) of weight [G*R, H/G*D]; result [T, G, R].
     """
     t = x.shape[0]
     xg = x.to(wide.dtype).reshape(t, groups, -1)                         # [T, G, H/G*D]
     wg = weight.to(wide.dtype).reshape(groups, -1, xg.shape[-1])         # [G, R, H/G*D]
-    return torch.einsum("tgi,gri->tgr", xg, wg).reshape(t, -1).float()   # [T, G*R]
+    return torch.einsum("tgi,gri->tgr", xg, wg).float()                  # [T, G, R]
 
 
 def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> torch.Tensor:
-    """wo_b (§3.6 step 8): x [T, G*R] -> [T, d], summed over this rank's G groups in fp64 and then
+    """wo_b (§3.6 step 8): x [T, G, R] -> [T, d], summed over this rank's G groups in fp64 and then
     over the TP group (all-reduce in fp64) before the one rounding to fp32."""
     t = x.shape[0]
     xg = x.to(wide.dtype).reshape(t, groups, -1)                            # [T, G, R]
