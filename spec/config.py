@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from spec.config_nesting import NESTED_MODEL_TYPES, flatten, is_nested, nest
 from spec.yamlio import SpecError, decode
 
 
@@ -114,9 +115,14 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     vision_min_pixels: int | None = None
 
     def to_json_dict(self) -> dict:
-        """The config as an official-format `config.json` object (absent optional keys omitted)."""
+        """The config's flat keys (absent optional keys omitted): V4's `config.json` object as it is."""
         out = msgspec.to_builtins(self)
         return {k: v for k, v in out.items() if v is not None}
+
+    def config_json(self) -> dict:
+        """The official-format `config.json` object: flat for V4, nested under text_config for V4.1."""
+        flat = self.to_json_dict()
+        return nest(flat) if self.model_type in NESTED_MODEL_TYPES else flat
 
 
 CONFIG_KEYS = frozenset(f.name for f in msgspec.structs.fields(ModelConfig))
@@ -259,13 +265,14 @@ def load_config_json(path: Path | str, replace: dict | None = None) -> tuple[Mod
         raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a JSON object at the top level")
-    if isinstance(data.get("text_config"), dict):
-        # V4.1 nests its model keys under text_config (V41-REFERENCE §1.1); the spec's flat form of
-        # it is spec/models/deepseek-v4.1-flash.yaml, and nothing runs it yet
-        model_type = data["text_config"].get("model_type", data.get("model_type"))
-        name = UNRUNNABLE.get(str(model_type).removesuffix("_text"), f"a nested config.json (model_type {model_type})")
-        raise SpecError(f"{path}: {name}: the spec counts its tensors, but no backend runs its forward yet "
-                        "(dsv4gen inventory --variant v41-flash); this config.json nests its keys under text_config")
+    if is_nested(data):
+        # V4.1 nests its model keys under text_config (V41-REFERENCE §1.1): read as the spec's flat keys
+        # (spec/config_nesting.py); the lines of nested keys are not tracked
+        if data.get("model_type") not in NESTED_MODEL_TYPES:
+            raise SpecError(f"{path}: a nested config.json (text_config) of model_type "
+                            f"{data.get('model_type')!r}; nested configs are read for "
+                            f"{', '.join(sorted(NESTED_MODEL_TYPES))}")
+        return config_from_dict({**flatten(data), **(replace or {})}, str(path), {})
     return config_from_dict({**data, **(replace or {})}, str(path), _json_key_lines(path))
 
 

@@ -25,7 +25,7 @@ def _cmd_make_tiny(args) -> int:
         out = make_tiny(args.out, seed=args.seed, overrides=parse_set_args(args.set), shards=args.shards,
                         overwrite=args.force, progress=True, preset=args.preset,
                         variant=args.variant)
-    print(f"wrote tiny DeepSeek-V4 checkpoint to {out}")
+    print(f"wrote a {args.variant} checkpoint to {out}")
     return 0
 
 
@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--preset", default="tiny", help="tiny (default) or tiny-long (window 128, compress ratios 4 / 128)")
     s.add_argument("--variant", default="tiny",
-                   help="model variant at tiny widths: tiny (default; Flash's schedule) or pro-tiny (Pro's)")
+                   help="model variant at tiny widths: tiny (default; Flash's schedule), pro-tiny (Pro's) or "
+                        "v41-tiny (DeepSeek-V4.1's; no backend runs its forward yet)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
     s.add_argument("--shards", type=int, default=4)
     s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")

@@ -110,7 +110,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: checkpoint directory not found")
         # "official" (FP8 / FP4, DSV4-REFERENCE §4) or "msmodelslim" (W8A8 / W4A8, lib/weights/msmodelslim.py)
         self.layout = "msmodelslim" if modelslim.is_modelslim(self.root) else "official"
-        replace = modelslim.config_replacements() if self.layout == "msmodelslim" else None
+        replace = modelslim.config_replacements(self.root / "config.json") if self.layout == "msmodelslim" else None
         try:
             self.config, self.unknown_config_keys = load_config_json(self.root / "config.json", replace)
         except SpecError as err:   # a bad config.json is a broken checkpoint, like a bad shard

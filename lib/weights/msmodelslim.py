@@ -32,12 +32,19 @@ def is_modelslim(root: Path) -> bool:
     return (Path(root) / load_msmodelslim().files.description).is_file()
 
 
-def config_replacements() -> dict:
+def config_replacements(config_path: Path) -> dict:
     """ModelSlim drops `quantization_config` from config.json (or a guide sets an `ascend` one): the
-    official FP8 block one stands in, so shape expressions of the spec still evaluate."""
+    official one of the checkpoint's model generation stands in (V4's FP8 blocks of 128, V4.1's of 32), so shape
+    expressions of the spec still evaluate. V4.1 kept `expert_dtype` inside it, so that comes back too."""
     from spec.variants import variant_config
 
-    return {"quantization_config": variant_config("flash-0731").to_json_dict()["quantization_config"]}
+    try:
+        model_type = json.loads(Path(config_path).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None           # load_config_json reports what is wrong with the file
+    official = variant_config("v41-flash" if model_type == "deepseek_v41" else "flash-0731").to_json_dict()
+    out = {"quantization_config": official["quantization_config"]}
+    return out | ({"expert_dtype": official["expert_dtype"]} if model_type == "deepseek_v41" else {})
 
 
 def read_layout(root: Path, weight_map: dict[str, str], error: type[Exception]) -> ModelSlimLayout:

@@ -101,7 +101,7 @@ def side_files(cfg: ModelConfig, tokenizer=None) -> dict[str, str]:
     from lib.text.tokenizer import build_tiny_tokenizer, tokenizer_files
 
     tok = tokenizer or build_tiny_tokenizer(cfg.vocab_size)
-    files = {"config.json": json.dumps(cfg.to_json_dict(), indent=2) + "\n",
+    files = {"config.json": json.dumps(cfg.config_json(), indent=2) + "\n",
              "generation_config.json": json.dumps({"bos_token_id": cfg.bos_token_id,
                                                    "eos_token_id": cfg.eos_token_id, "do_sample": True,
                                                    "temperature": 1.0, "top_p": 1.0}, indent=2) + "\n"}

@@ -47,7 +47,7 @@ def test_every_spec_file_loads():
 
 
 def test_variants_listed():
-    assert set(variants()) == {"flash-0731", "flash-preview", "tiny", "pro", "pro-tiny", "v41-flash"}
+    assert set(variants()) == {"flash-0731", "flash-preview", "tiny", "pro", "pro-tiny", "v41-flash", "v41-tiny"}
     assert all(doc for _, doc in variants().values())
 
 
@@ -168,7 +168,7 @@ def test_inventory_unknown_variant(capsys):
     assert cli(["inventory", "--variant", "flash-9999"]) == 2
     assert capsys.readouterr().err == (
         "dsv4gen inventory: error: unknown model variant 'flash-9999' "
-        "(accepted: flash-0731, flash-preview, pro, pro-tiny, tiny, v41-flash)\n")
+        "(accepted: flash-0731, flash-preview, pro, pro-tiny, tiny, v41-flash, v41-tiny)\n")
 
 
 # ---------------------------------------------------------------- shapes and TP (DSV4-REFERENCE §4.3-4.4)

@@ -222,31 +222,85 @@ def test_rank_config_refuses_v41(v41):
 def _nested_config(root):
     """A V4.1 release-style config.json: the model keys nested under text_config (V41-REFERENCE §1.1)."""
     root.mkdir(parents=True, exist_ok=True)
-    text = {k: v for k, v in variant_config("v41-flash").to_json_dict().items()
-            if k not in ("quantization_config", "architectures", "model_type", "image_token_id")}
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "image_token_id": 129264,
-        "text_config": {**text, "model_type": "deepseek_v41_text"}, "vision_config": {"hidden_size": 1024},
-    }), encoding="utf-8")
+    (root / "config.json").write_text(json.dumps(variant_config("v41-flash").config_json()), encoding="utf-8")
     return root
 
 
-def test_nested_config_json_refuses(tmp_path):
-    root = _nested_config(tmp_path / "v41")
-    with pytest.raises(SpecError, match=REFUSAL):
-        load_config_json(root / "config.json")
-    with pytest.raises(CheckpointError, match=REFUSAL):
-        Checkpoint(root)
+def test_nested_config_json_reads_as_the_flat_spec(tmp_path, v41):
+    """The release's nested config.json is V4.1's flat spec config (spec/config_nesting.py); V4's stays flat."""
+    cfg, unknown = load_config_json(_nested_config(tmp_path / "v41") / "config.json")
+    assert cfg.model_type == "deepseek_v41" and cfg.kv_source_layer_ids == (2, 8, 14, 20)
+    assert cfg.vision_hidden_size == 1024 and cfg.expert_dtype == "fp4" and unknown == []
+    assert forward_refusal(cfg) == REFUSAL
+    nested = v41.config_json()
+    assert set(nested) == {"architectures", "model_type", "dtype", "bos_token_id", "eos_token_id", "image_token_id",
+                           "quantization_config", "text_config", "vision_config"}
+    assert nested["text_config"]["model_type"] == "deepseek_v41_text" and "expert_dtype" not in nested["text_config"]
+    assert nested["quantization_config"]["expert_dtype"] == "fp4" and nested["text_config"]["rope_scaling"]["rope_type"] == "yarn"
+    assert nested["vision_config"]["patch_size"] == 14
+    (tmp_path / "release").mkdir()
+    (tmp_path / "release" / "config.json").write_text(json.dumps(nested), encoding="utf-8")
+    assert load_config_json(tmp_path / "release" / "config.json")[0] == v41           # read back: the same config
+    assert "text_config" not in variant_config("flash-0731").config_json()
+    other = {"model_type": "someone_else", "text_config": {}}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(other), encoding="utf-8")
+    with pytest.raises(SpecError, match="a nested config.json \\(text_config\\) of model_type 'someone_else'"):
+        load_config_json(tmp_path / "other" / "config.json")
 
 
-def test_load_model_refuses_v41(tmp_path):
+@pytest.fixture(scope="module")
+def v41_tiny(tmp_path_factory):
+    """`make-tiny --variant v41-tiny`: a random V4.1 checkpoint in the release format."""
+    from lib.weights.tiny_checkpoint import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("v41") / "tiny", variant="v41-tiny")
+
+
+def test_make_tiny_v41_writes_every_layer_kind_in_the_release_format(v41_tiny):
+    raw = json.loads((v41_tiny / "config.json").read_text(encoding="utf-8"))
+    assert raw["model_type"] == "deepseek_v41" and raw["text_config"]["compress_ratios"] == [0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0]
+    assert raw["quantization_config"]["weight_block_size"] == [32, 32] and "vision_config" not in raw
+    ckpt = Checkpoint(v41_tiny)              # every tensor of the spec, read back through the checkpoint reader
+    assert ckpt.config == variant_config("v41-tiny") and ckpt.unknown_config_keys == []
+    layers = {layer.index: layer for layer in schedule(ckpt.config)}
+    kinds = {i: (layer.attention, layer.ratio, layer.kv_source, layer.index_source, layer.candidate_source, layer.engram)
+             for i, layer in layers.items() if layer.role == "backbone"}
+    assert kinds == {0: ("swa", 0, False, False, False, False), 1: ("swa", 0, False, False, False, True),
+                     2: ("csa2", 2, True, True, False, False), 3: ("csa2", 2, False, False, False, False),
+                     4: ("csa1", 1, True, True, True, True), 5: ("csa1", 1, False, False, False, False),
+                     6: ("csa1", 1, False, True, False, False), 7: ("csa1", 1, False, False, False, False)}
+    keys = {t.key for t in ckpt.logical}
+    assert {"layers.2.attn.compressor.wgate.weight", "layers.4.attn.compressor.wkv.weight",
+            "layers.4.attn.indexer.wk.weight", "layers.6.attn.indexer.wq_b.weight", "layers.1.engram.embed.weight",
+            "layers.4.engram.wkv.weight", "mtp.2.markov_head.embed.weight", "mtp.0.main_proj.weight"} <= keys
+    assert "layers.4.attn.compressor.wgate.weight" not in keys and "layers.3.attn.compressor.wkv.weight" not in keys
+    assert "layers.5.attn.indexer.wq_b.weight" not in keys and not any(k.startswith("vision.") for k in keys)
+    rows = next(t for t in ckpt.logical if t.key == "layers.4.engram.embed.weight").shape
+    assert rows == (30058, 32)                       # the sum of layer 4's 24 bucket primes above 1000
+
+
+def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny, tmp_path):
+    """ModelSlim drops quantization_config, which V4.1 nests expert_dtype in: V4.1's official one stands in (FP8
+    blocks of 32, FP4 experts), not V4's blocks of 128, so the spec's shapes of the export still evaluate."""
+    out = tmp_path / "w4a8"
+    assert cli(["convert", "--model", str(v41_tiny), "--format", "msmodelslim", "--quant-type", "w4a8",
+                "--out", str(out)]) == 0
+    raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert "quantization_config" not in raw and "quantization_config" not in raw["text_config"]
+    ckpt = Checkpoint(out)
+    assert ckpt.layout == "msmodelslim" and ckpt.config.model_type == "deepseek_v41"
+    assert ckpt.config.quantization_config.weight_block_size == (32, 32) and ckpt.config.expert_dtype == "fp4"
+    assert len(ckpt.logical) == len(Checkpoint(v41_tiny).logical)
+
+
+def test_load_model_refuses_v41(v41_tiny):
     from lib.runtime.loaded_model import load_model
-    with pytest.raises(CheckpointError, match=REFUSAL):
-        load_model(_nested_config(tmp_path / "v41"))
+    with pytest.raises(SpecError, match=REFUSAL):
+        load_model(v41_tiny)
 
 
-def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys):
-    root = _nested_config(tmp_path / "v41")
+def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys, v41_tiny):
+    root = v41_tiny
     out = tmp_path / "logits.npy"
     assert cli(["logits", "--model", str(root), "--ids", "1,2,3", "--out", str(out)]) == 2
     captured = capsys.readouterr()
@@ -273,7 +327,14 @@ def test_spec_diff_reads_as_v41_config_differences(tmp_path):
     old = tmp_path / "old"
     shutil.copytree(SPEC_DIR, old)
     (old / "models" / "deepseek-v4.1-flash.yaml").unlink()
-    lines = variant_diff(old, SPEC_DIR)
+    blocks = {}                     # one block of lines per added variant
+    for line in variant_diff(old, SPEC_DIR):
+        if line.startswith("variant "):
+            blocks[line.split()[1].rstrip(":")] = []
+        blocks[next(reversed(blocks))].append(line)
+    assert sorted(blocks) == ["v41-flash", "v41-tiny"]
+    assert blocks["v41-tiny"][0].startswith("variant v41-tiny: added; compared with tiny of the old spec")
+    lines = blocks["v41-flash"]
     assert lines[0].startswith("variant v41-flash: added; compared with flash-0731 of the old spec")
     rows = {line.split()[1]: line.split()[2:] for line in lines if line.startswith("* ")}
     assert rows["hidden_size"] == ["4096", "5120"] and rows["num_hash_layers"] == ["3", "0"]
