@@ -20,6 +20,8 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, topk
     t, n = scores.shape
     if block < 1 or topk_blocks < 1:
         raise ValueError(f"candidate_mask: block ({block}) and topk_blocks ({topk_blocks}) must be positive")
+    if n == 0:                                  # no entry complete yet: nothing to keep
+        return torch.zeros(t, 0, dtype=torch.bool)
     padded = torch.nn.functional.pad(scores.float(), (0, -n % block), value=-torch.inf)
     best = padded.view(t, -1, block).amax(-1)                                    # [T, blocks]
     blocks = best.shape[1]

@@ -1,0 +1,176 @@
+"""A dense test oracle of DeepSeek-V4.1's backbone (V41-REFERENCE §3-4), over whole sequences, in fp64.
+
+No public implementation of V4.1 can be called here (transformers has none), so this writes the equations
+out once, plainly, for the graph's V4.1 reference to be checked against when it exists: every token of a
+sequence from position 0, no cache; each layer's attention reads the window of the last sliding_window
+positions and the compressed entries its KV source made, chosen by the latest index source's top-k (the
+candidate source's blocks restricting the reindex layers); the shifted mHC collapses each sub-layer's input
+with the previous sub-layer's pre; Engram adds its gated rows before its layers; the last FFN's pre collapses
+the streams for the head. The caches' low-precision simulation is applied where §3.9 puts it. Weights are
+decoded from the checkpoint's stored format to fp32 (FP8 blocks, FP4 experts) by the project's decoders.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+import torch
+
+from backends.cpu.ops import basic, hc, rope as rope_ops
+from backends.cpu.ops.candidates import candidate_mask, reindex_scores
+from backends.cpu.ops.engram import engram_inject, engram_rows
+from backends.cpu.ops.latent_entries import latent_entries
+from lib.engram.hashing import hash_params, hash_ids
+from lib.engram.token_map import build_token_map
+from lib.quant.kv_simulation import fp4_index, fp8_window
+from lib.quant.reference_formats import decode
+from lib.runtime.rope_tables import inv_freq
+from lib.text.tokenizer import Tokenizer
+from lib.weights.checkpoint import Checkpoint
+from spec.schedule import backbone
+
+F64 = torch.float64
+
+
+class V41Oracle:
+    def __init__(self, path: Path | str):
+        self.ckpt = Checkpoint(path)
+        cfg = self.cfg = self.ckpt.config
+        self.w: dict[str, torch.Tensor] = {}
+        for t in self.ckpt.logical:
+            if t.layer is None or t.layer.role == "backbone":
+                stored = self.ckpt.read_parts(t)
+                self.w[t.key] = decode(t.format, stored, cfg).to(F64) if t.format != "fp8_row32" else stored
+        self.layers = backbone(cfg)
+        self.tables = {name: inv_freq(cfg, name) for name in ("main", "compress")}
+        tok = Tokenizer(tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")))
+        self.token_map = build_token_map(tok, cfg.engram_pad_token_id, cfg.engram_compressed_vocab_size)
+        self.hashing = hash_params(cfg, self.token_map.pad)
+
+    # ---- pieces ------------------------------------------------------------------------------------
+    def angles(self, table: str, positions: torch.Tensor):
+        a = positions.double()[:, None] * self.tables[table].double()[None, :]
+        return a.cos(), a.sin()
+
+    def norm(self, x, key):
+        return basic.rms_norm(x, self.w[key], self.cfg.rms_norm_eps).to(F64)
+
+    def coefficients(self, x, prefix: str, part: str):
+        """(pre, post, comb) of a sub-layer from its own input streams x [T, n, D] (§3.1)."""
+        cfg, n = self.cfg, self.cfg.hc_mult
+        m = hc._mix_logits(x, self.w[f"{prefix}.hc_{part}_fn"], cfg.rms_norm_eps)
+        base, scale = self.w[f"{prefix}.hc_{part}_base"], self.w[f"{prefix}.hc_{part}_scale"]
+        pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + cfg.hc_eps
+        post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
+        comb = hc.sinkhorn((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), cfg.hc_sinkhorn_iters,
+                           cfg.hc_eps)
+        return pre.to(F64), post.to(F64), comb.to(F64)
+
+    def moe(self, x, prefix: str):
+        cfg = self.cfg
+        scores = torch.sqrt(torch.nn.functional.softplus(x @ self.w[f"{prefix}.ffn.gate.weight"].t()))
+        ids = torch.topk(scores + self.w[f"{prefix}.ffn.gate.bias"], cfg.num_experts_per_tok, dim=-1).indices
+        chosen = scores.gather(1, ids)
+        weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+
+        def expert(h, name):
+            w1, w3, w2 = (self.w[f"{name}.{k}.weight"] for k in ("w1", "w3", "w2"))
+            lim = cfg.swiglu_limit
+            return (torch.nn.functional.silu((h @ w1.t()).clamp(max=lim)) * (h @ w3.t()).clamp(-lim, lim)) @ w2.t()
+
+        out = expert(x, f"{prefix}.ffn.shared_experts")
+        for t in range(x.shape[0]):
+            for slot in range(ids.shape[1]):
+                e = int(ids[t, slot])
+                out[t] += weights[t, slot] * expert(x[t:t + 1], f"{prefix}.ffn.experts.{e}")[0]
+        return out
+
+    # ---- attention ------------------------------------------------------------------------------------
+    def attention(self, h, layer, shared: dict):
+        cfg, p, t = self.cfg, layer.prefix, h.shape[0]
+        pos = torch.arange(t)
+        cos, sin = self.angles(layer.rope, pos)
+        qr = self.norm(h @ self.w[f"{p}.attn.wq_a.weight"].t(), f"{p}.attn.q_norm.weight")
+        q = (qr @ self.w[f"{p}.attn.wq_b.weight"].t()).view(t, cfg.num_attention_heads, cfg.head_dim)
+        q = rope_ops.rope(q, (cos, sin), cfg.qk_rope_head_dim).to(F64)              # no per-head q norm (§3.2)
+        kv = self.norm(h @ self.w[f"{p}.attn.wkv.weight"].t(), f"{p}.attn.kv_norm.weight")
+        kv = fp8_window(rope_ops.rope(kv, (cos, sin), cfg.qk_rope_head_dim)).to(F64)
+        r = layer.ratio
+        if layer.kv_source:                                      # §3.4-3.6: this layer's entries and index keys
+            k_all = h @ self.w[f"{p}.attn.compressor.wkv.weight"].t()
+            groups = t // r
+            if r > 1:
+                g_all = h @ self.w[f"{p}.attn.compressor.wgate.weight"].t()
+                k_g, g_g = (v[: groups * r].view(groups, r, v.shape[-1]) for v in (k_all, g_all))
+                pooled = (torch.softmax(g_g, dim=1) * k_g).sum(1)
+            else:
+                pooled = k_all
+            ecos, esin = self.angles(layer.rope, torch.arange(groups) * r)
+            main, keys = latent_entries(pooled, self.w[f"{p}.attn.compressor.norm.weight"],
+                                        self.w[f"{p}.attn.indexer.wk.weight"], self.w[f"{p}.attn.indexer.k_norm.weight"],
+                                        (ecos, esin), cfg.qk_rope_head_dim, cfg.rms_norm_eps)
+            shared.update(entries=main.to(F64), keys=keys.to(F64), ratio=r)
+        visible = (pos + 1) // r if r else torch.zeros(t, dtype=torch.int64)
+        if layer.index_source:                                   # §3.6-3.7: this layer's top-k of the entries
+            iq = (qr @ self.w[f"{p}.attn.indexer.wq_b.weight"].t()).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            iq = fp4_index(rope_ops.rope(iq, (cos, sin), cfg.qk_rope_head_dim)).to(F64)
+            iw = (h @ self.w[f"{p}.attn.indexer.weights_proj.weight"].t()) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
+            scores = (iw[:, :, None] * torch.relu(torch.einsum("thd,nd->thn", iq, shared["keys"]))).sum(1)
+            scores = scores.masked_fill(torch.arange(scores.shape[1])[None, :] >= visible[:, None], -math.inf)
+            if layer.candidate_source:
+                shared["candidates"] = candidate_mask(scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            elif "candidates" in shared:
+                scores = reindex_scores(scores, shared["candidates"])
+            k = min(cfg.index_topk, scores.shape[1])
+            top = torch.topk(scores, k, dim=-1)
+            shared["selection"] = torch.where(torch.isfinite(top.values), top.indices, -1) if k else top.indices
+        out = torch.empty(t, cfg.num_attention_heads, cfg.head_dim, dtype=F64)
+        sink = self.w[f"{p}.attn.attn_sink"]
+        for i in range(t):
+            rows = [kv[max(0, i - cfg.sliding_window + 1): i + 1]]
+            if r:
+                picked = shared["selection"][i]
+                rows.append(shared["entries"][picked[picked >= 0]])
+            keys = torch.cat(rows)                                                   # K = V (§3.8)
+            s = torch.einsum("hd,nd->hn", q[i], keys) / math.sqrt(cfg.head_dim)
+            e = torch.exp(s - s.amax(-1, keepdim=True).clamp(min=sink.max()))
+            z = e.sum(-1) + torch.exp(sink - s.amax(-1).clamp(min=sink.max()))
+            out[i] = (e @ keys) / z[:, None]
+        o = rope_ops.rope(out, (cos, sin), cfg.qk_rope_head_dim, inverse=True).to(F64)
+        z = basic.grouped_linear(o, self.w[f"{p}.attn.wo_a.weight"], cfg.o_groups).to(F64)
+        return basic.o_proj(z, self.w[f"{p}.attn.wo_b.weight"], cfg.o_groups).to(F64)
+
+    # ---- the backbone -----------------------------------------------------------------------------------
+    def engram(self, x, layer, tokens: list[int]):
+        cfg, p = self.cfg, layer.prefix
+        ids = hash_ids(self.token_map.compress(tokens), self.hashing)              # [T, layers, columns]
+        column = list(cfg.engram_layer_ids).index(layer.index)
+        rows = engram_rows(torch.from_numpy(np.ascontiguousarray(ids[:, column])),
+                           self.w[f"{p}.engram.embed.weight"]["weight"], self.w[f"{p}.engram.embed.weight"]["scale"])
+        return engram_inject(x, rows, self.w[f"{p}.engram.wkv.weight"], self.w[f"{p}.engram.q_weight"],
+                             self.w[f"{p}.engram.k_weight"], cfg.rms_norm_eps).to(F64)
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """[T, vocab] fp64 logits of every position of `tokens` (a sequence from position 0)."""
+        cfg, n = self.cfg, self.cfg.hc_mult
+        e = self.w["embed.weight"][torch.tensor(tokens)]
+        x = e[:, None, :].expand(-1, n, -1).clone()
+        pi = torch.zeros(len(tokens), n, dtype=F64)
+        pi[:, 0] = 1.0                                           # layer 0 collapses with a one-hot (§3.1)
+        shared: dict = {}
+        for layer in self.layers:
+            p = layer.prefix
+            if layer.engram:
+                x = self.engram(x, layer, tokens)
+            pre_a, post_a, comb_a = self.coefficients(x, p, "attn")
+            h = self.norm((pi[:, :, None] * x).sum(1), f"{p}.attn_norm.weight")
+            a = self.attention(h, layer, shared)
+            x = hc.hc_post(a, x, post_a, comb_a).to(F64)
+            pre_f, post_f, comb_f = self.coefficients(x, p, "ffn")
+            f = self.moe(self.norm((pre_a[:, :, None] * x).sum(1), f"{p}.ffn_norm.weight"), p)
+            x = hc.hc_post(f, x, post_f, comb_f).to(F64)
+            pi = pre_f
+        y = self.norm((pi[:, :, None] * x).sum(1), "norm.weight")                   # no hc_head (§3.1)
+        return y @ self.w["head.weight"].t()
