@@ -29,7 +29,7 @@ from lib.quant.reference_formats import decode
 from lib.runtime.rope_tables import inv_freq
 from lib.text.tokenizer import Tokenizer
 from lib.weights.checkpoint import Checkpoint
-from spec.schedule import backbone
+from spec.schedule import backbone, drafter
 
 F64 = torch.float64
 
@@ -40,10 +40,9 @@ class V41Oracle:
         cfg = self.cfg = self.ckpt.config
         self.w: dict[str, torch.Tensor] = {}
         for t in self.ckpt.logical:
-            if t.layer is None or t.layer.role == "backbone":
-                stored = self.ckpt.read_parts(t)
-                self.w[t.key] = decode(t.format, stored, cfg).to(F64) if t.format != "fp8_row32" else stored
-        self.layers = backbone(cfg)
+            stored = self.ckpt.read_parts(t)
+            self.w[t.key] = decode(t.format, stored, cfg).to(F64) if t.format != "fp8_row32" else stored
+        self.layers, self.stages = backbone(cfg), drafter(cfg)
         self.tables = {name: inv_freq(cfg, name) for name in ("main", "compress")}
         tok = Tokenizer(tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")))
         self.token_map = build_token_map(tok, cfg.engram_pad_token_id, cfg.engram_compressed_vocab_size)
@@ -68,10 +67,10 @@ class V41Oracle:
                            cfg.hc_eps)
         return pre.to(F64), post.to(F64), comb.to(F64)
 
-    def moe(self, x, prefix: str):
+    def moe(self, x, prefix: str, topk: int | None = None):
         cfg = self.cfg
         scores = torch.sqrt(torch.nn.functional.softplus(x @ self.w[f"{prefix}.ffn.gate.weight"].t()))
-        ids = torch.topk(scores + self.w[f"{prefix}.ffn.gate.bias"], cfg.num_experts_per_tok, dim=-1).indices
+        ids = torch.topk(scores + self.w[f"{prefix}.ffn.gate.bias"], topk or cfg.num_experts_per_tok, dim=-1).indices
         chosen = scores.gather(1, ids)
         weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
 
@@ -154,7 +153,12 @@ class V41Oracle:
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """[T, vocab] fp64 logits of every position of `tokens` (a sequence from position 0)."""
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, vocab], main_hidden [T, taps * D]: the stream mean at the input of each DSpark target layer)."""
         cfg, n = self.cfg, self.cfg.hc_mult
+        taps = []
         e = self.w["embed.weight"][torch.tensor(tokens)]
         x = e[:, None, :].expand(-1, n, -1).clone()
         pi = torch.zeros(len(tokens), n, dtype=F64)
@@ -162,6 +166,8 @@ class V41Oracle:
         shared: dict = {}
         for layer in self.layers:
             p = layer.prefix
+            if layer.index in cfg.dspark_target_layer_ids:      # the input of the layer, not its output (§5)
+                taps.append(x.mean(1))
             if layer.engram:
                 x = self.engram(x, layer, tokens)
             pre_a, post_a, comb_a = self.coefficients(x, p, "attn")
@@ -173,4 +179,67 @@ class V41Oracle:
             x = hc.hc_post(f, x, post_f, comb_f).to(F64)
             pi = pre_f
         y = self.norm((pi[:, :, None] * x).sum(1), "norm.weight")                   # no hc_head (§3.1)
-        return y @ self.w["head.weight"].t()
+        return y @ self.w["head.weight"].t(), torch.cat(taps, dim=-1)
+
+    # ---- the DSpark drafter (§5) ----------------------------------------------------------------------
+    def stage_kv(self, h, prefix: str, positions: torch.Tensor):
+        """A stage's window rows: FP8(RoPE(kv_norm(W_kv h))) at `positions` on the main table."""
+        cos, sin = self.angles("main", positions)
+        kv = self.norm(h @ self.w[f"{prefix}.attn.wkv.weight"].t(), f"{prefix}.attn.kv_norm.weight")
+        return fp8_window(rope_ops.rope(kv, (cos, sin), self.cfg.qk_rope_head_dim)).to(F64)
+
+    def stage_attention(self, h, prefix: str, positions: torch.Tensor, ring: torch.Tensor):
+        """Every block row attends every ring row and all block rows (bidirectional within the block)."""
+        cfg, t = self.cfg, h.shape[0]
+        cos, sin = self.angles("main", positions)
+        qr = self.norm(h @ self.w[f"{prefix}.attn.wq_a.weight"].t(), f"{prefix}.attn.q_norm.weight")
+        q = (qr @ self.w[f"{prefix}.attn.wq_b.weight"].t()).view(t, cfg.num_attention_heads, cfg.head_dim)
+        q = rope_ops.rope(q, (cos, sin), cfg.qk_rope_head_dim).to(F64)
+        keys = torch.cat((ring, self.stage_kv(h, prefix, positions)))
+        s = torch.einsum("thd,nd->thn", q, keys) / math.sqrt(cfg.head_dim)
+        sink = self.w[f"{prefix}.attn.attn_sink"]
+        top = torch.maximum(s.amax(-1), sink)                                         # [T, H]
+        e = torch.exp(s - top[..., None])
+        out = (e @ keys) / (e.sum(-1) + torch.exp(sink - top))[..., None]
+        o = rope_ops.rope(out, (cos, sin), cfg.qk_rope_head_dim, inverse=True).to(F64)
+        z = basic.grouped_linear(o, self.w[f"{prefix}.attn.wo_a.weight"], cfg.o_groups).to(F64)
+        return basic.o_proj(z, self.w[f"{prefix}.attn.wo_b.weight"], cfg.o_groups).to(F64)
+
+    def draft(self, tokens: list[int]):
+        """One greedy DSpark round after the prompt `tokens`: the target's token b at position P + 1 (P the last
+        position), then the block [b, noise x (block - 1)] at P + 1 .. P + block through every stage. Returns
+        (b, drafts [block] (each y_{j+1} = argmax of base_j + the Markov bias of y_j), base logits [block, vocab],
+        confidences [block])."""
+        cfg, n, size = self.cfg, self.cfg.hc_mult, self.cfg.dspark_block_size
+        logits, hidden = self.forward(tokens)
+        b = int(logits[-1].argmax())
+        first, last = self.stages[0].prefix, self.stages[-1].prefix
+        main_x = self.norm(hidden @ self.w[f"{first}.main_proj.weight"].t(), f"{first}.main_norm.weight")
+        context = torch.arange(len(tokens))[-cfg.sliding_window:]                  # the ring keeps the last window
+        positions = len(tokens) + torch.arange(size)
+        ids = torch.tensor([b] + [cfg.dspark_noise_token_id] * (size - 1))
+        x = self.w["embed.weight"][ids][:, None, :].expand(-1, n, -1).clone()
+        pi = torch.zeros(size, n, dtype=F64)
+        pi[:, 0] = 1.0                                           # the first stage collapses with a one-hot
+        for stage in self.stages:
+            p = stage.prefix
+            ring = self.stage_kv(main_x[context], p, context)
+            pre_a, post_a, comb_a = self.coefficients(x, p, "attn")
+            a = self.stage_attention(self.norm((pi[:, :, None] * x).sum(1), f"{p}.attn_norm.weight"), p, positions, ring)
+            x = hc.hc_post(a, x, post_a, comb_a).to(F64)
+            pre_f, post_f, comb_f = self.coefficients(x, p, "ffn")
+            f = self.moe(self.norm((pre_a[:, :, None] * x).sum(1), f"{p}.ffn_norm.weight"), p,
+                         cfg.dspark_num_experts_per_tok)
+            x = hc.hc_post(f, x, post_f, comb_f).to(F64)
+            pi = pre_f
+        state = (pi[:, :, None] * x).sum(1)                                          # un-normed, for the confidence
+        base = self.norm(state, f"{last}.norm.weight") @ self.w["head.weight"].t()
+        embed, bias = self.w[f"{last}.markov_head.embed.weight"], self.w[f"{last}.markov_head.head.weight"]
+        drafts, confidence, y = [], [], b
+        for j in range(size):
+            e = embed[y]
+            step = base[j] + bias @ e
+            confidence.append(float(self.w[f"{last}.confidence_head.proj.weight"][0] @ torch.cat((state[j], e))))
+            y = int(step.argmax())
+            drafts.append(y)
+        return b, drafts, base, confidence

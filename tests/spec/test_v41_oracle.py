@@ -66,3 +66,38 @@ def test_the_candidate_blocks_restrict_the_reindex_layer_only_past_their_budget(
         oracle.cfg = cfg
     assert torch.equal(free[:8], base[:8])
     assert bool(((free[8:] - base[8:]).abs().amax(-1) > 1e-6).any())
+
+
+def test_a_dspark_round_drafts_from_the_ring_the_block_and_the_markov_chain(oracle):
+    """The V4.1 drafter (V41-REFERENCE §5): the block rows see each other both ways (a later noise id changes row
+    0), the Markov head chains each draft on the one before, and the ring holds the target's main_x."""
+    b, drafts, base, confidence = oracle.draft(TOKENS)
+    assert b == int(oracle.logits(TOKENS)[-1].argmax()) and len(drafts) == len(confidence) == 5
+    assert all(0 <= d < oracle.cfg.vocab_size for d in drafts)
+    bias = oracle.w["mtp.2.markov_head.head.weight"]
+    embed = oracle.w["mtp.2.markov_head.embed.weight"]
+    chain = [b] + drafts
+    for j in range(5):                                   # y_{j+1} = argmax(base_j + head . embed[y_j])
+        assert drafts[j] == int((base[j] + bias @ embed[chain[j]]).argmax())
+    saved = bias.clone()
+    try:
+        oracle.w["mtp.2.markov_head.head.weight"] = torch.zeros_like(saved)     # no Markov bias
+        _, plain, same_base, _ = oracle.draft(TOKENS)
+    finally:
+        oracle.w["mtp.2.markov_head.head.weight"] = saved
+    assert torch.equal(same_base, base) and plain == [int(row.argmax()) for row in base] and plain != drafts
+    noise = oracle.cfg.dspark_noise_token_id
+    try:
+        oracle.cfg = __import__("msgspec").structs.replace(oracle.cfg, dspark_noise_token_id=noise + 1)
+        _, _, other, _ = oracle.draft(TOKENS)
+    finally:
+        oracle.cfg = __import__("msgspec").structs.replace(oracle.cfg, dspark_noise_token_id=noise)
+    assert not torch.allclose(other[0], base[0])         # row 0 reads the later (noise) rows: bidirectional
+    key = "mtp.0.main_proj.weight"
+    saved = oracle.w[key].clone()
+    try:
+        oracle.w[key] = saved * 2 + 0.01
+        _, _, moved, _ = oracle.draft(TOKENS)
+    finally:
+        oracle.w[key] = saved
+    assert not torch.allclose(moved, base)               # the rings are the target's main_x
