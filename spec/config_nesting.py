@@ -6,8 +6,8 @@ and the vision tower's under `vision_config`, keeps `architectures`, `model_type
 ids, `image_token_id` and `quantization_config` at the root, and moves `expert_dtype` into the
 quantization_config. The spec holds one flat form (spec/models/deepseek-v4.1-flash.yaml): text keys keep their
 names, vision keys take a `vision_` prefix, `expert_dtype` sits at the top level, `dtype` is `torch_dtype`, and
-rope_scaling's `rope_type` is `type`. `nest` writes the release layout from the flat keys and `flatten` reads it
-back; flatten(nest(x)) == x.
+rope_scaling's `rope_type` is `type`. `nest` writes the release layout from a V4.1 config's flat keys (which
+always hold torch_dtype, expert_dtype and quantization_config) and `flatten` reads it back: flatten(nest(x)) == x.
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def nest(flat: dict) -> dict:
 
 
 def flatten(data: dict) -> dict:
-    """The release's nested config.json object -> flat spec keys (the vision tower's own model_type and any key
-    the spec does not know are passed on prefixed, to be reported as unknown keys, never fatal)."""
+    """The release's nested config.json object -> flat spec keys. The vision tower's own model_type is dropped;
+    any other key the spec does not know is passed on (vision keys prefixed), to be reported as an unknown key,
+    never fatal."""
     flat = {k: v for k, v in data.items() if k not in ("text_config", "vision_config", "quantization_config", "dtype")}
     text = dict(data["text_config"])
     text.pop("model_type", None)

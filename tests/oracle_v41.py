@@ -68,6 +68,7 @@ class V41Oracle:
         return pre.to(F64), post.to(F64), comb.to(F64)
 
     def moe(self, x, prefix: str, topk: int | None = None):
+        """§3.11 with gate_temp 1 (the reference's default; not a config key) and top-k > 1 (renormalised)."""
         cfg = self.cfg
         scores = torch.sqrt(torch.nn.functional.softplus(x @ self.w[f"{prefix}.ffn.gate.weight"].t()))
         ids = torch.topk(scores + self.w[f"{prefix}.ffn.gate.bias"], topk or cfg.num_experts_per_tok, dim=-1).indices
@@ -145,8 +146,8 @@ class V41Oracle:
     def engram(self, x, layer, tokens: list[int]):
         cfg, p = self.cfg, layer.prefix
         ids = hash_ids(self.token_map.compress(tokens), self.hashing)              # [T, layers, columns]
-        column = list(cfg.engram_layer_ids).index(layer.index)
-        rows = engram_rows(torch.from_numpy(np.ascontiguousarray(ids[:, column])),
+        slot = list(cfg.engram_layer_ids).index(layer.index)                         # which Engram layer
+        rows = engram_rows(torch.from_numpy(np.ascontiguousarray(ids[:, slot])),
                            self.w[f"{p}.engram.embed.weight"]["weight"], self.w[f"{p}.engram.embed.weight"]["scale"])
         return engram_inject(x, rows, self.w[f"{p}.engram.wkv.weight"], self.w[f"{p}.engram.q_weight"],
                              self.w[f"{p}.engram.k_weight"], cfg.rms_norm_eps).to(F64)

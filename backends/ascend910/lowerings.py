@@ -113,12 +113,15 @@ def linear_w8a8_pair(x, first: W8A8, second: W8A8, merged: bool = False):
     """Two W8A8 linears of one input (profile shared_inputs): x quantised once, as vllm-ascend's DeepSeek-V4
     attention shares the hidden state's quantisation between wq_a and wkv. `merged` (shared_inputs one_gemm):
     `first` holds both weights' rows, `second` a view of its last rows, and one quantised GEMM makes both outputs
-    (vLLM's fused_wqa_wkv), returned as column views of it; each output column is the same int32 dot product and
-    scaling as the separate GEMM's."""
+    (vLLM's fused_wqa_wkv); each output column is the same int32 dot product and scaling as the separate GEMM's.
+    The two column ranges of the [T, N1 + N2] result are strided once T > 1, and the norm and rotary kernels that
+    read them are not documented to take strided rows (CANN's aclnnAddRmsNorm says it takes no non-contiguous
+    tensor; torch_npu copies such an input before a kernel that cannot): each is made contiguous here, a view at
+    one row, a counted copy at more."""
     xq, xs = _quantised(x)
     if merged:
         y, n = _quant_matmul(xq, xs, first), second.qweight.shape[-2]
-        return y[..., :-n], y[..., -n:]
+        return y[..., :-n].contiguous(), y[..., -n:].contiguous()
     return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
 
 

@@ -135,7 +135,8 @@ def _pair_matmul(xq, xs, w) -> torch.Tensor:
 # Up to this many tokens (decode batches), run each (token, expert slot) pair on its own
 # requantised expert, every pair of the step in one product; above it, requantise the rank's
 # experts once, run every expert over all tokens and keep its rows where routed (prefill). Both
-# have fixed shapes and a launch count that does not depend on the batch, so neither needs a host sync.
+# have fixed shapes, so neither needs a host sync; the pairwise path's kernels are the same at any batch, and
+# from two tokens on flattening the [T, k] pairs is a copy (one token's k pairs are a stride-0 view).
 PAIRWISE_MAX_TOKENS = 16
 
 

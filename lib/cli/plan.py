@@ -81,31 +81,30 @@ def add_parser(sub, backend_names: list[str]) -> None:
 
 def _ops(args) -> int:
     from lib.console.stages import Stages
-    from lib.planner.launch_counts import count_launches, decode_launches, format_report, load_counted, record, shrunk_flash
+    from lib.planner.launch_counts import count_launches, format_report, load_counted, record, shrunk_flash
     from spec.profile import backend_names
 
     if args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
     if args.record and args.batch != 1:      # the speed planner's step is one sequence's
         raise ValueError("--record keeps counts of batch 1; drop --batch")
+    if args.record and args.model:
+        raise ValueError("--record keeps counts of the default shrunk Flash-0731 checkpoint only; drop --model")
     backends = backend_names() if args.backend == "all" else [args.backend]
     model = Path(args.model) if args.model else None
     if model is None:           # made once (minutes), then reused: said either way
         shrunk_flash(stages=Stages("plan --ops"))
     stages = Stages("plan --ops", total=len(backends))
-    reports = []
+    reports, sixteen = [], []
     for backend in backends:
         with stages(f"counting launches of one decode step and one DSpark round of {args.batch} sequence(s) on "
                     f"{backend} ({model or 'shrunk Flash-0731'}: load, prefill, then under the guard)"):
-            reports.append(decode_launches(backend, model, args.batch))
+            counted = load_counted(backend, model)
+            reports.append(count_launches(counted, args.batch))
+            if args.record:             # the record keeps batch 16's step too (its strided rows may copy)
+                sixteen.append(count_launches(counted, 16, with_round=False))
         print(format_report(reports[-1]), flush=True)
     if args.record:
-        if args.model:
-            raise ValueError("--record keeps counts of the default shrunk Flash-0731 checkpoint only; drop --model")
-        sixteen = []
-        for backend in backends:        # the record keeps batch 16's step too (its strided rows may copy)
-            with stages(f"counting launches of one decode step of 16 sequences on {backend}"):
-                sixteen.append(count_launches(load_counted(backend), 16, with_round=False))
         print(f"recorded in {record(reports, sixteen)}")
     stages.finish()
     return 0

@@ -123,9 +123,11 @@ def _data_dependent(func, args, kwargs) -> bool:
 
 
 def _aliases(out, inputs) -> bool:
-    """Whether every tensor `out` holds shares memory with one of the input tensors (a view, not a copy)."""
+    """Whether every tensor `out` holds shares memory with one of the input tensors (a view, not a copy); an empty
+    result copies nothing (and its storage pointer, 0, says nothing)."""
     bases = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    return all(t.untyped_storage().data_ptr() in bases for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return all(t.numel() == 0 or t.untyped_storage().data_ptr() in bases
+               for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 class CapabilityGuard:

@@ -168,15 +168,11 @@ def load_counted(backend: str, path: Path | None = None) -> Counted:
     return Counted(model, schedule, path, relaxed=True)
 
 
-def decode_launches(backend: str, path: Path | None = None, batch: int = 1) -> LaunchReport:
-    """Load, then count (what `dsv4gen plan --ops` does per backend)."""
-    return count_launches(load_counted(backend, path), batch)
-
-
 def count_launches(counted: Counted, batch: int = 1, with_round: bool = True) -> LaunchReport:
     """Counts of one decode step and (`with_round`, where the model drafts) one DSpark round of
-    `batch` sequences stepping together. With batch-wide ops the counts do not depend on `batch`;
-    tests/planner/test_launches.py checks it for every backend."""
+    `batch` sequences stepping together. With batch-wide ops the kernels do not depend on `batch`, but for
+    copies of rows that are strided only at more than one row (LaunchReport.copies);
+    tests/planner/test_launches.py checks that for every backend."""
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
     with relaxed_widths() if counted.relaxed else contextlib.nullcontext():
@@ -213,21 +209,21 @@ def _count(counted: Counted, batch: int, with_round: bool) -> LaunchReport:
     if set(held) != set(real):
         raise ValueError(f"{path} has layer kinds {sorted(held)}, its schedule {sorted(real)}")
 
-    def value(c, field: str) -> int:
+    def count_of(c, field: str) -> int:
         return _copies(c) if field == "copies" else getattr(c, field)
 
     def per_layer(part: str, kind: str, field: str) -> int:
-        value_, n = value(sections[f"{part}/{kind}"], field), held[kind]
-        if value_ % n:
-            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value_} {field} in {part}: not the same per layer")
-        return value_ // n
+        value, n = count_of(sections[f"{part}/{kind}"], field), held[kind]
+        if value % n:
+            raise AssertionError(f"{backend}: {n} '{kind}' layers made {value} {field} in {part}: not the same per layer")
+        return value // n
 
     def once(part: str, field: str = "ops") -> int:
         """Launches outside the blocks, and those a step makes once in whichever layer first needs them (a tiling
         every layer of one shape reuses: lib/guard/capability.py ONCE_PER_STEP), never scaled by the layer count."""
         nested = (c for name, c in sections.items()
                   if name.startswith(f"{part}/") and name.endswith(f"/{ONCE_PER_STEP}"))
-        return value(sections[part], field) + sum(value(c, field) for c in nested)
+        return count_of(sections[part], field) + sum(count_of(c, field) for c in nested)
 
     def part_total(part: str, field: str = "ops") -> int:
         """A target forward on the real schedule: launches once per step + per layer x real layers."""

@@ -1,6 +1,7 @@
 """The capability guard (lib/guard/capability.py) on CPU: refusals with op, reason and source line, count mode,
 launch counting per section, opaque device ops (registered torch ops: test ones under the overload "test"),
 allow(), and the torch dispatch facts it relies on."""
+import contextlib
 import sys
 
 import numpy as np
@@ -285,3 +286,21 @@ def test_torch_dispatch_facts_the_guard_relies_on(fn, ops):
     with rec:
         fn(*inputs)
     assert rec.ops == ops
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_view_schema_op_counts_a_launch_only_when_it_copies(inference):
+    """Under inference_mode `to`, `contiguous` and `reshape` reach the guard undecomposed, with schemas that return
+    a view: each is a kernel exactly when its result is new memory (a cast, a strided tensor made contiguous)."""
+    x = torch.randn(4, 6)
+
+    def launches(fn) -> int:
+        guard = CapabilityGuard(OPEN, mode="count")
+        with (torch.inference_mode() if inference else contextlib.nullcontext()), guard:
+            fn()
+        return guard.report().total.ops
+
+    assert launches(lambda: x.to(torch.bfloat16)) == 1
+    assert launches(lambda: x.t().contiguous()) == 1 and launches(lambda: x.t().reshape(-1)) == 1
+    assert launches(lambda: x.to(torch.float32)) == 0 and launches(lambda: x.contiguous()) == 0
+    assert launches(lambda: x.view(6, 4)) == 0 and launches(lambda: x.reshape(-1)) == 0
