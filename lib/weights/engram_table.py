@@ -1,0 +1,68 @@
+"""A DeepSeek-V4.1 Engram table held in host memory, one rank's share of its rows (V41-REFERENCE §4.5, from the
+official `inference/model.py`, code-index id 70871433627, and the 910 field report's host-resident tables).
+
+Each Engram table is ~384M rows of 256 FP8 values with one E8M0 scale per 32 (about 101 GB); a device holds none
+of it. A rank keeps its contiguous block of ceil(rows / world) rows in host memory, exactly as stored (FP8 bytes
+and scale bytes, pinned where an accelerator is present so the copy to it is asynchronous), and for a step
+dequantises only the rows the step's hash ids name: ids outside its block give zero rows, so the sum of every
+rank's rows (an all-reduce) is the whole table's, bit for bit. Reading the block from the checkpoint reads only
+those rows' bytes (safetensors slices).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from lib.quant.bit_codecs import dequant_fp8_block
+from lib.weights.checkpoint import Checkpoint
+
+CHANNELS_PER_SCALE = 32
+
+
+class EngramShard(NamedTuple):
+    """Rows [start, start + weight.shape[0]) of one Engram table."""
+    weight: torch.Tensor      # [rows of this rank, E] float8_e4m3fn, as stored
+    scale: torch.Tensor       # [rows of this rank, E / 32] E8M0 bytes, as stored
+    start: int                # the first row this rank holds
+    rows: int                 # rows of the whole table
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 rows of the whole table -> [..., E] fp32: this rank's rows dequantised, zeros for ids
+        another rank holds."""
+        if bool(((ids < 0) | (ids >= self.rows)).any()):
+            bad = ids[(ids < 0) | (ids >= self.rows)][0].item()
+            raise ValueError(f"Engram hash id {bad} is outside the table's {self.rows} rows")
+        local = ids.flatten() - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        at = torch.where(mine, local, torch.zeros_like(local))
+        rows = dequant_fp8_block(self.weight.index_select(0, at), self.scale.index_select(0, at),
+                                 block=(1, CHANNELS_PER_SCALE)).float()
+        return (rows * mine[:, None]).view(*ids.shape, -1)
+
+
+def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s contiguous block of ceil(rows / world) rows (the last block may be short)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"Engram shard: rank {rank} is not in 0 .. {world - 1}")
+    per = -(-rows // world)
+    return min(rank * per, rows), min((rank + 1) * per, rows)
+
+
+def load_shard(ckpt: Checkpoint, prefix: str, rank: int = 0, world: int = 1) -> EngramShard:
+    """Rank `rank` of `world`'s block of the Engram table of block `prefix` ("layers.1"), read from the checkpoint
+    (only its rows' bytes) into host memory."""
+    key = f"{prefix}.engram.embed"
+    if f"{key}.weight" not in ckpt.headers:
+        raise ValueError(f"{ckpt.root}: no Engram table under {key}.weight (Engram layers: "
+                         f"{list(ckpt.config.engram_layer_ids or ())})")
+    rows = ckpt.headers[f"{key}.weight"].shape[0]
+    start, stop = shard_rows(rows, rank, world)
+    weight, scale = (ckpt.read(f"{key}.{part}", (slice(start, stop),)) for part in ("weight", "scale"))
+    if torch.accelerator.is_available():    # page-locked: the step's rows go to the device asynchronously
+        weight, scale = weight.pin_memory(), scale.pin_memory()
+    return EngramShard(weight, scale, start, rows)

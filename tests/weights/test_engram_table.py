@@ -1,0 +1,46 @@
+"""V4.1's Engram table in host memory, sharded by rows per rank (lib/weights/engram_table.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu.ops.engram import engram_rows
+from lib.weights.checkpoint import Checkpoint
+from lib.weights.engram_table import load_shard, shard_rows
+
+
+@pytest.fixture(scope="module")
+def v41_tiny(tmp_path_factory):
+    from lib.weights.tiny_checkpoint import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("v41") / "tiny", variant="v41-tiny")
+
+
+def test_rows_split_in_contiguous_blocks_of_the_ceiling():
+    assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    assert [shard_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    with pytest.raises(ValueError, match="rank 3 is not in 0 .. 2"):
+        shard_rows(10, 3, 3)
+
+
+def test_the_ranks_rows_sum_to_the_whole_tables_and_each_reads_only_its_own(v41_tiny):
+    ckpt = Checkpoint(v41_tiny)
+    whole = load_shard(ckpt, "layers.4")
+    assert whole.rows == 30058 and whole.weight.shape == (30058, 32) and whole.nbytes == 30058 * (32 + 1)
+    ids = torch.randint(0, whole.rows, (5, 24), generator=torch.Generator().manual_seed(0))
+    ids[0, :3] = torch.tensor([0, 10019, 30057])           # the first row, a block edge, the last row
+    full = whole.lookup(ids)
+    assert full.shape == (5, 24, 32)
+    raw = ckpt.read("layers.4.engram.embed.weight"), ckpt.read("layers.4.engram.embed.scale")
+    assert torch.equal(full, engram_rows(ids, *raw))        # the reference op's dequantisation of those rows
+    parts = []
+    for rank in range(3):
+        before = ckpt.bytes_read
+        shard = load_shard(ckpt, "layers.4", rank, 3)
+        assert ckpt.bytes_read - before == shard.nbytes == shard.weight.shape[0] * 33    # only its rows' bytes
+        parts.append(shard.lookup(ids))
+    assert torch.equal(parts[0] + parts[1] + parts[2], full)             # the all-reduce of the ranks' rows
+    assert bool((parts[1][0, 0] == 0).all()) and torch.equal(parts[0][0, 0], full[0, 0])
+    with pytest.raises(ValueError, match="hash id 30058 is outside the table's 30058 rows"):
+        whole.lookup(torch.tensor([30058]))
+    with pytest.raises(ValueError, match="no Engram table under layers.2.engram.embed.weight"):
+        load_shard(ckpt, "layers.2")
