@@ -18,7 +18,7 @@ import numpy as np
 import tokenizers
 import torch
 
-from backends.cpu.ops import basic, hc, rope as rope_ops
+from backends.cpu.ops import attention as attention_ops, basic, hc, moe, rope as rope_ops
 from backends.cpu.ops.candidates import candidate_mask, reindex_scores
 from backends.cpu.ops.engram import engram_inject, engram_rows
 from backends.cpu.ops.latent_entries import latent_entries
@@ -57,46 +57,58 @@ class V41Oracle:
         return basic.rms_norm(x, self.w[key], self.cfg.rms_norm_eps).to(F64)
 
     def coefficients(self, x, prefix: str, part: str):
-        """(pre, post, comb) of a sub-layer from its own input streams x [T, n, D] (§3.1)."""
-        cfg, n = self.cfg, self.cfg.hc_mult
-        m = hc._mix_logits(x, self.w[f"{prefix}.hc_{part}_fn"], cfg.rms_norm_eps)
-        base, scale = self.w[f"{prefix}.hc_{part}_base"], self.w[f"{prefix}.hc_{part}_scale"]
-        pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + cfg.hc_eps
-        post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
-        comb = hc.sinkhorn((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), cfg.hc_sinkhorn_iters,
-                           cfg.hc_eps)
-        return pre.to(F64), post.to(F64), comb.to(F64)
+        """(pre, post, comb) of a sub-layer from its own input streams x [T, n, D] (§3.1): V4's equations."""
+        cfg = self.cfg
+        return hc.hc_coefficients(x, self.w[f"{prefix}.hc_{part}_fn"], self.w[f"{prefix}.hc_{part}_base"],
+                                  self.w[f"{prefix}.hc_{part}_scale"], cfg.hc_sinkhorn_iters, cfg.rms_norm_eps,
+                                  cfg.hc_eps)
 
     def moe(self, x, prefix: str, topk: int | None = None):
-        """§3.11 with gate_temp 1 (the reference's default; not a config key) and top-k > 1 (renormalised)."""
+        """§3.11, V4's learned routing and clipped SwiGLU (gate_temp 1, the reference's default; not a config key)."""
         cfg = self.cfg
-        scores = torch.sqrt(torch.nn.functional.softplus(x @ self.w[f"{prefix}.ffn.gate.weight"].t()))
-        ids = torch.topk(scores + self.w[f"{prefix}.ffn.gate.bias"], topk or cfg.num_experts_per_tok, dim=-1).indices
-        chosen = scores.gather(1, ids)
-        weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        weights, ids = moe.route_learned(x, self.w[f"{prefix}.ffn.gate.weight"], self.w[f"{prefix}.ffn.gate.bias"],
+                                         topk or cfg.num_experts_per_tok, cfg.routed_scaling_factor)
 
         def expert(h, name):
-            w1, w3, w2 = (self.w[f"{name}.{k}.weight"] for k in ("w1", "w3", "w2"))
-            lim = cfg.swiglu_limit
-            return (torch.nn.functional.silu((h @ w1.t()).clamp(max=lim)) * (h @ w3.t()).clamp(-lim, lim)) @ w2.t()
+            return moe.swiglu_mlp(h, *(self.w[f"{name}.{k}.weight"] for k in ("w1", "w3", "w2")), cfg.swiglu_limit)
 
-        out = expert(x, f"{prefix}.ffn.shared_experts")
+        out = expert(x, f"{prefix}.ffn.shared_experts").to(F64)
         for t in range(x.shape[0]):
             for slot in range(ids.shape[1]):
-                e = int(ids[t, slot])
-                out[t] += weights[t, slot] * expert(x[t:t + 1], f"{prefix}.ffn.experts.{e}")[0]
+                out[t] += weights[t, slot] * expert(x[t:t + 1], f"{prefix}.ffn.experts.{int(ids[t, slot])}")[0]
         return out
+
+    def query(self, h, prefix: str, cos, sin):
+        """(qr, q [T, H, D]): the q latent and the rotated query, with no per-head q norm (§3.2)."""
+        cfg = self.cfg
+        qr = self.norm(h @ self.w[f"{prefix}.attn.wq_a.weight"].t(), f"{prefix}.attn.q_norm.weight")
+        q = (qr @ self.w[f"{prefix}.attn.wq_b.weight"].t()).view(h.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        return qr, rope_ops.rope(q, (cos, sin), cfg.qk_rope_head_dim).to(F64)
+
+    def window_kv(self, h, prefix: str, cos, sin):
+        """A layer's (or stage's) window rows: FP8(RoPE(kv_norm(W_kv h))) (§3.3)."""
+        kv = self.norm(h @ self.w[f"{prefix}.attn.wkv.weight"].t(), f"{prefix}.attn.kv_norm.weight")
+        return fp8_window(rope_ops.rope(kv, (cos, sin), self.cfg.qk_rope_head_dim)).to(F64)
+
+    def attend(self, q, keys, prefix: str):
+        """q [H, D] over keys [N, D] (K = V, §3.8), the sink in the denominator: -> [H, D]."""
+        logits = torch.einsum("hd,nd->hn", q, keys)[None] / math.sqrt(self.cfg.head_dim)
+        return (attention_ops._softmax_with_sink(logits, self.w[f"{prefix}.attn.attn_sink"])[0] @ keys).to(F64)
+
+    def output(self, out, prefix: str, cos, sin):
+        """Inverse RoPE on the attention output, then the grouped wo_a and wo_b."""
+        cfg = self.cfg
+        o = rope_ops.rope(out, (cos, sin), cfg.qk_rope_head_dim, inverse=True).to(F64)
+        z = basic.grouped_linear(o, self.w[f"{prefix}.attn.wo_a.weight"], cfg.o_groups).to(F64)
+        return basic.o_proj(z, self.w[f"{prefix}.attn.wo_b.weight"], cfg.o_groups).to(F64)
 
     # ---- attention ------------------------------------------------------------------------------------
     def attention(self, h, layer, shared: dict):
         cfg, p, t = self.cfg, layer.prefix, h.shape[0]
         pos = torch.arange(t)
         cos, sin = self.angles(layer.rope, pos)
-        qr = self.norm(h @ self.w[f"{p}.attn.wq_a.weight"].t(), f"{p}.attn.q_norm.weight")
-        q = (qr @ self.w[f"{p}.attn.wq_b.weight"].t()).view(t, cfg.num_attention_heads, cfg.head_dim)
-        q = rope_ops.rope(q, (cos, sin), cfg.qk_rope_head_dim).to(F64)              # no per-head q norm (§3.2)
-        kv = self.norm(h @ self.w[f"{p}.attn.wkv.weight"].t(), f"{p}.attn.kv_norm.weight")
-        kv = fp8_window(rope_ops.rope(kv, (cos, sin), cfg.qk_rope_head_dim)).to(F64)
+        qr, q = self.query(h, p, cos, sin)
+        kv = self.window_kv(h, p, cos, sin)
         r = layer.ratio
         if layer.kv_source:                                      # §3.4-3.6: this layer's entries and index keys
             k_all = h @ self.w[f"{p}.attn.compressor.wkv.weight"].t()
@@ -127,20 +139,13 @@ class V41Oracle:
             top = torch.topk(scores, k, dim=-1)
             shared["selection"] = torch.where(torch.isfinite(top.values), top.indices, -1) if k else top.indices
         out = torch.empty(t, cfg.num_attention_heads, cfg.head_dim, dtype=F64)
-        sink = self.w[f"{p}.attn.attn_sink"]
         for i in range(t):
             rows = [kv[max(0, i - cfg.sliding_window + 1): i + 1]]
             if r:
                 picked = shared["selection"][i]
                 rows.append(shared["entries"][picked[picked >= 0]])
-            keys = torch.cat(rows)                                                   # K = V (§3.8)
-            s = torch.einsum("hd,nd->hn", q[i], keys) / math.sqrt(cfg.head_dim)
-            e = torch.exp(s - s.amax(-1, keepdim=True).clamp(min=sink.max()))
-            z = e.sum(-1) + torch.exp(sink - s.amax(-1).clamp(min=sink.max()))
-            out[i] = (e @ keys) / z[:, None]
-        o = rope_ops.rope(out, (cos, sin), cfg.qk_rope_head_dim, inverse=True).to(F64)
-        z = basic.grouped_linear(o, self.w[f"{p}.attn.wo_a.weight"], cfg.o_groups).to(F64)
-        return basic.o_proj(z, self.w[f"{p}.attn.wo_b.weight"], cfg.o_groups).to(F64)
+            out[i] = self.attend(q[i], torch.cat(rows), p)
+        return self.output(out, p, cos, sin)
 
     # ---- the backbone -----------------------------------------------------------------------------------
     def engram(self, x, layer, tokens: list[int]):
@@ -183,28 +188,13 @@ class V41Oracle:
         return y @ self.w["head.weight"].t(), torch.cat(taps, dim=-1)
 
     # ---- the DSpark drafter (§5) ----------------------------------------------------------------------
-    def stage_kv(self, h, prefix: str, positions: torch.Tensor):
-        """A stage's window rows: FP8(RoPE(kv_norm(W_kv h))) at `positions` on the main table."""
-        cos, sin = self.angles("main", positions)
-        kv = self.norm(h @ self.w[f"{prefix}.attn.wkv.weight"].t(), f"{prefix}.attn.kv_norm.weight")
-        return fp8_window(rope_ops.rope(kv, (cos, sin), self.cfg.qk_rope_head_dim)).to(F64)
-
     def stage_attention(self, h, prefix: str, positions: torch.Tensor, ring: torch.Tensor):
         """Every block row attends every ring row and all block rows (bidirectional within the block)."""
-        cfg, t = self.cfg, h.shape[0]
         cos, sin = self.angles("main", positions)
-        qr = self.norm(h @ self.w[f"{prefix}.attn.wq_a.weight"].t(), f"{prefix}.attn.q_norm.weight")
-        q = (qr @ self.w[f"{prefix}.attn.wq_b.weight"].t()).view(t, cfg.num_attention_heads, cfg.head_dim)
-        q = rope_ops.rope(q, (cos, sin), cfg.qk_rope_head_dim).to(F64)
-        keys = torch.cat((ring, self.stage_kv(h, prefix, positions)))
-        s = torch.einsum("thd,nd->thn", q, keys) / math.sqrt(cfg.head_dim)
-        sink = self.w[f"{prefix}.attn.attn_sink"]
-        top = torch.maximum(s.amax(-1), sink)                                         # [T, H]
-        e = torch.exp(s - top[..., None])
-        out = (e @ keys) / (e.sum(-1) + torch.exp(sink - top))[..., None]
-        o = rope_ops.rope(out, (cos, sin), cfg.qk_rope_head_dim, inverse=True).to(F64)
-        z = basic.grouped_linear(o, self.w[f"{prefix}.attn.wo_a.weight"], cfg.o_groups).to(F64)
-        return basic.o_proj(z, self.w[f"{prefix}.attn.wo_b.weight"], cfg.o_groups).to(F64)
+        _, q = self.query(h, prefix, cos, sin)
+        keys = torch.cat((ring, self.window_kv(h, prefix, cos, sin)))
+        out = torch.stack([self.attend(q[i], keys, prefix) for i in range(h.shape[0])])
+        return self.output(out, prefix, cos, sin)
 
     def draft(self, tokens: list[int]):
         """One greedy DSpark round after the prompt `tokens`: the target's token b at position P + 1 (P the last
@@ -224,7 +214,7 @@ class V41Oracle:
         pi[:, 0] = 1.0                                           # the first stage collapses with a one-hot
         for stage in self.stages:
             p = stage.prefix
-            ring = self.stage_kv(main_x[context], p, context)
+            ring = self.window_kv(main_x[context], p, *self.angles("main", context))
             pre_a, post_a, comb_a = self.coefficients(x, p, "attn")
             a = self.stage_attention(self.norm((pi[:, :, None] * x).sum(1), f"{p}.attn_norm.weight"), p, positions, ring)
             x = hc.hc_post(a, x, post_a, comb_a).to(F64)

@@ -250,10 +250,8 @@ def test_nested_config_json_reads_as_the_flat_spec(tmp_path, v41):
 
 
 @pytest.fixture(scope="module")
-def v41_tiny(tmp_path_factory):
-    """`make-tiny --variant v41-tiny`: a random V4.1 checkpoint in the release format."""
-    from lib.weights.tiny_checkpoint import make_tiny
-    return make_tiny(tmp_path_factory.mktemp("v41") / "tiny", variant="v41-tiny")
+def v41_tiny(v41_tiny_ckpt):
+    return v41_tiny_ckpt
 
 
 def test_make_tiny_v41_writes_every_layer_kind_in_the_release_format(v41_tiny):

@@ -13,9 +13,8 @@ TOKENS = [5, 301, 42, 42, 17, 900, 3, 64, 512, 7, 7, 250]
 
 
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
-    from lib.weights.tiny_checkpoint import make_tiny
-    return V41Oracle(make_tiny(tmp_path_factory.mktemp("v41") / "tiny", variant="v41-tiny"))
+def oracle(v41_tiny_ckpt):
+    return V41Oracle(v41_tiny_ckpt)
 
 
 def test_the_oracle_is_causal(oracle):

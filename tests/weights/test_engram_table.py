@@ -9,12 +9,6 @@ from lib.weights.checkpoint import Checkpoint
 from lib.weights.engram_table import load_shard, shard_rows
 
 
-@pytest.fixture(scope="module")
-def v41_tiny(tmp_path_factory):
-    from lib.weights.tiny_checkpoint import make_tiny
-    return make_tiny(tmp_path_factory.mktemp("v41") / "tiny", variant="v41-tiny")
-
-
 def test_rows_split_in_contiguous_blocks_of_the_ceiling():
     assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
     assert [shard_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
@@ -22,8 +16,8 @@ def test_rows_split_in_contiguous_blocks_of_the_ceiling():
         shard_rows(10, 3, 3)
 
 
-def test_the_ranks_rows_sum_to_the_whole_tables_and_each_reads_only_its_own(v41_tiny):
-    ckpt = Checkpoint(v41_tiny)
+def test_the_ranks_rows_sum_to_the_whole_tables_and_each_reads_only_its_own(v41_tiny_ckpt):
+    ckpt = Checkpoint(v41_tiny_ckpt)
     whole = load_shard(ckpt, "layers.4")
     assert whole.rows == 30058 and whole.weight.shape == (30058, 32) and whole.nbytes == 30058 * (32 + 1)
     ids = torch.randint(0, whole.rows, (5, 24), generator=torch.Generator().manual_seed(0))

@@ -16,7 +16,7 @@ import math
 import torch
 
 from backends.cpu.ops.basic import wide
-from lib.quant.bit_codecs import dequant_fp8_block
+from lib.weights.engram_table import EngramShard
 
 GATE_FLOOR = 1e-6     # |dot| is floored before the square root: a zero dot gives sigmoid(1e-3) (§4.6), never NaN
 
@@ -27,12 +27,7 @@ def engram_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     T*C rows read are dequantised."""
     if ids.dtype != torch.int64 or ids.dim() != 2:
         raise ValueError(f"engram_rows: ids must be [T, columns] int64, found {tuple(ids.shape)} {ids.dtype}")
-    if bool(((ids < 0) | (ids >= weight.shape[0])).any()):
-        bad = ids[(ids < 0) | (ids >= weight.shape[0])][0].item()
-        raise ValueError(f"engram_rows: hash id {bad} is outside the table's {weight.shape[0]} rows")
-    flat = ids.flatten()
-    rows = dequant_fp8_block(weight.index_select(0, flat), scale.index_select(0, flat), block=(1, 32))
-    return rows.float().view(*ids.shape, -1)
+    return EngramShard(weight, scale, 0, weight.shape[0]).lookup(ids)      # the whole table as one shard
 
 
 def engram_inject(x: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weight: torch.Tensor,

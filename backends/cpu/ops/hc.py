@@ -34,15 +34,23 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           iters: int, norm_eps: float, hc_eps: float):
-    """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
+def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    iters: int, norm_eps: float, hc_eps: float):
+    """X [T, n, d] -> (pre [T, n], post [T, n], comb [T, n, n]) in fp64 (§3.3). V4 collapses a sub-layer's input
+    with its own pre (hc_pre); V4.1 with the previous sub-layer's."""
     n = x.shape[1]
     m = _mix_logits(x, fn, norm_eps)                                   # [T, (2+n)*n]
     base, scale = base.to(wide.dtype), scale.to(wide.dtype)
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
     comb = sinkhorn((scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)), iters, hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           iters: int, norm_eps: float, hc_eps: float):
+    """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
+    pre, post, comb = hc_coefficients(x, fn, base, scale, iters, norm_eps, hc_eps)
     u = (pre.unsqueeze(-1) * x.to(wide.dtype)).sum(dim=1)
     return u.float(), post.float(), comb.float()
 
