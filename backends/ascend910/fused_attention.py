@@ -75,7 +75,7 @@ def index_select_fused(q, weights, batch, keys, *, topk: int, ratio: int, weight
     requires."""
     q, weights = parallel.gather_heads(q, weights, group)
     addr = batch.state
-    ws = (weights.float() * weight_scale).to(DTYPE)
+    ws = (weights * weight_scale).to(DTYPE)   # bf16 x a Python float: torch multiplies in fp32 and rounds once (one launch)
     ids, _ = device.npu_lightning_indexer(
         q.to(DTYPE), keys.view(-1, addr.block_tokens, 1, q.shape[-1]), ws,
         actual_seq_lengths_query=addr.step(("row_ends",)), actual_seq_lengths_key=addr.step(("limit", ratio)),

@@ -101,7 +101,9 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
     t = x.shape[0]
     xg = x.to(weight.dtype).reshape(t, groups, -1)                       # [T, G, R] (a view of grouped_linear's)
     wg = weight.reshape(weight.shape[0], groups, -1)                     # [d, G, R]
-    total = group_mm(xg.transpose(0, 1), wg.permute(1, 2, 0)).float().sum(0)   # [G, T, d] products, one launch
+    # [G, T, d] products, one launch; summed in fp32 by the reduction itself (each term widened exactly, the same
+    # adds in the same order as widening first), not after a separate cast
+    total = group_mm(xg.transpose(0, 1), wg.permute(1, 2, 0)).sum(0, dtype=torch.float32)
     return parallel.all_reduce(total, group).to(weight.dtype)
 
 
