@@ -42,7 +42,7 @@ class EngramShard(NamedTuple):
         at = torch.where(mine, local, torch.zeros_like(local))
         rows = dequant_fp8_block(self.weight.index_select(0, at), self.scale.index_select(0, at),
                                  block=(1, CHANNELS_PER_SCALE)).float()
-        return (rows * mine[:, None]).view(*ids.shape, -1)
+        return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
 
 
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:

@@ -249,16 +249,11 @@ def test_nested_config_json_reads_as_the_flat_spec(tmp_path, v41):
         load_config_json(tmp_path / "other" / "config.json")
 
 
-@pytest.fixture(scope="module")
-def v41_tiny(v41_tiny_ckpt):
-    return v41_tiny_ckpt
-
-
-def test_make_tiny_v41_writes_every_layer_kind_in_the_release_format(v41_tiny):
-    raw = json.loads((v41_tiny / "config.json").read_text(encoding="utf-8"))
+def test_make_tiny_v41_writes_every_layer_kind_in_the_release_format(v41_tiny_ckpt):
+    raw = json.loads((v41_tiny_ckpt / "config.json").read_text(encoding="utf-8"))
     assert raw["model_type"] == "deepseek_v41" and raw["text_config"]["compress_ratios"] == [0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0]
     assert raw["quantization_config"]["weight_block_size"] == [32, 32] and "vision_config" not in raw
-    ckpt = Checkpoint(v41_tiny)              # every tensor of the spec, read back through the checkpoint reader
+    ckpt = Checkpoint(v41_tiny_ckpt)         # every tensor of the spec, read back through the checkpoint reader
     assert ckpt.config == variant_config("v41-tiny") and ckpt.unknown_config_keys == []
     layers = {layer.index: layer for layer in schedule(ckpt.config)}
     kinds = {i: (layer.attention, layer.ratio, layer.kv_source, layer.index_source, layer.candidate_source, layer.engram)
@@ -277,28 +272,28 @@ def test_make_tiny_v41_writes_every_layer_kind_in_the_release_format(v41_tiny):
     assert rows == (30058, 32)                       # the sum of layer 4's 24 bucket primes above 1000
 
 
-def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny, tmp_path):
+def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_ckpt, tmp_path):
     """ModelSlim drops quantization_config, which V4.1 nests expert_dtype in: V4.1's official one stands in (FP8
     blocks of 32, FP4 experts), not V4's blocks of 128, so the spec's shapes of the export still evaluate."""
     out = tmp_path / "w4a8"
-    assert cli(["convert", "--model", str(v41_tiny), "--format", "msmodelslim", "--quant-type", "w4a8",
+    assert cli(["convert", "--model", str(v41_tiny_ckpt), "--format", "msmodelslim", "--quant-type", "w4a8",
                 "--out", str(out)]) == 0
     raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert "quantization_config" not in raw and "quantization_config" not in raw["text_config"]
     ckpt = Checkpoint(out)
     assert ckpt.layout == "msmodelslim" and ckpt.config.model_type == "deepseek_v41"
     assert ckpt.config.quantization_config.weight_block_size == (32, 32) and ckpt.config.expert_dtype == "fp4"
-    assert len(ckpt.logical) == len(Checkpoint(v41_tiny).logical)
+    assert len(ckpt.logical) == len(Checkpoint(v41_tiny_ckpt).logical)
 
 
-def test_load_model_refuses_v41(v41_tiny):
+def test_load_model_refuses_v41(v41_tiny_ckpt):
     from lib.runtime.loaded_model import load_model
     with pytest.raises(SpecError, match=REFUSAL):
-        load_model(v41_tiny)
+        load_model(v41_tiny_ckpt)
 
 
-def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys, v41_tiny):
-    root = v41_tiny
+def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys, v41_tiny_ckpt):
+    root = v41_tiny_ckpt
     out = tmp_path / "logits.npy"
     assert cli(["logits", "--model", str(root), "--ids", "1,2,3", "--out", str(out)]) == 2
     captured = capsys.readouterr()
