@@ -10,12 +10,13 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from backends.ascend910 import device_ops as device
-from backends.common import attention, dense, hc, moe, rope as common_rope
+from backends.common import attention, dense, hc, moe
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
-from lib.records.step_rope import StepRope
+from lib.records.step_rope import StepRope, split, step_positions
 from lib.quant.runtime_formats import W4A8, W8A8
 from spec.schedule import COMPRESS_TABLE
 
@@ -44,29 +45,50 @@ compress = functools.partial(attention.compress, rms=_rms)
 
 
 def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
-    """The common angles of every table (cos and sin only: the composites that run where a fused kernel's limits
-    fail make the rotation matrices of the rows they rotate), and for the token rows the in-place rotary's r1 = cos and r2 = sin per pair in bf16
-    ([1, T, 1, rope_dim]) and -r2 for the inverse, and for each ratio's entries the fused compressor's
-    rope rows (StepRope.kernel) of the table compressors read (spec/schedule.py COMPRESS_TABLE): made once per
-    step, not in each rope or compress call."""
+    """Every table's angles at one step's positions in one chain of kernels, not a chain per table and form: the
+    positions (the token rows', then each ratio's completed entries' at m * e, each ratio's followed by position-0
+    rows up to the fused compressor's row count), their fp32 angles for all tables as one [tables, N, rope_dim/2]
+    product, cos and sin (the composites' angles, as the reference computes them: backends/common/rope.py), then
+    both as the in-place rotary's bf16 per-channel rows ([2, tables, N, rope_dim]: r1 = cos, r2 = sin per pair)
+    and -r2 for the inverse. The compressor kernel's rope rows of the table compressors read (spec/schedule.py
+    COMPRESS_TABLE) are row ranges of that same product: its entries, then cos 1 / sin 0 (position 0), as
+    vllm-ascend's compressor_metadata pads its rows. Eleven launches a step however many tables and ratios."""
+    t = batch.positions.shape[0]
+    positions, spans, kernel_rows = _step_positions(batch, padded=COMPRESS_TABLE in tables)
+    names = list(tables)
+    inv = torch.stack([tables[n].float() for n in names]) if len(names) > 1 else tables[names[0]].float()[None]
+    angles = positions.float()[None, :, None] * inv[:, None, :]                 # [tables, N, rope_dim/2] fp32
+    cos, sin = angles.cos(), angles.sin()
+    rows = torch.stack((cos, sin)).repeat_interleave(2, dim=-1).to(DTYPE)       # [2, tables, N, rope_dim] bf16
+    sin_inverse = rows[1].neg()                                                 # [tables, N, rope_dim]
     out = {}
-    for name, step in common_rope.rope_angles(batch, tables=tables, rotation=False).items():
-        r1, r2 = (t.repeat_interleave(2, dim=-1).to(DTYPE)[None, :, None, :] for t in (step.cos, step.sin))
+    for i, name in enumerate(names):
+        step = split(StepRope(tables[name], cos[i], sin[i]), t, spans)
         entries = step.entries if name != COMPRESS_TABLE else {
-            m: e._replace(kernel=_compressor_rows(e, batch, m)) for m, e in step.entries.items()}
-        out[name] = step._replace(rotary=(r1, r2, -r2), entries=entries)
+            m: e._replace(kernel=(rows[0, i, lo:lo + n], rows[1, i, lo:lo + n]))
+            for (m, e), (lo, n) in zip(step.entries.items(), kernel_rows.values())}
+        rotary = tuple(r[:t][None, :, None, :] for r in (rows[0, i], rows[1, i], sin_inverse[i]))
+        out[name] = step._replace(rotary=rotary, entries=entries)
     return out
 
 
-def _compressor_rows(entries: StepRope, batch, ratio: int) -> tuple:
-    """The compressor kernel's rope_cos / rope_sin [min(T, T // m + S), rope_dim] (bf16, per channel): these
-    entries' (as many as fit: a bucketed step's padded writes go past them), then cos 1 / sin 0, as vllm-ascend's
-    compressor_metadata pads its rows."""
+def _step_positions(batch, padded: bool):
+    """step_positions (lib/records/step_rope.py) with each ratio's entries followed, where `padded`, by position-0
+    rows up to the compressor kernel's min(T, T // m + S) rows: (positions, {m: (lo, hi)} of the entries,
+    {m: (lo, rows)} of the kernel's rope rows; rows 0 without `padded`)."""
+    if not padded or batch.state is None:
+        positions, spans = step_positions(batch)
+        return positions, spans, {m: (lo, 0) for m, (lo, _) in spans.items()}
     t, s = batch.positions.shape[0], batch.state.seq_slot.shape[0]
-    n = min(t, t // ratio + s)
-    k = min(n, entries.cos.shape[0])
-    return tuple(torch.nn.functional.pad(v[:k], (0, 0, 0, n - k), value=pad).repeat_interleave(2, dim=-1).to(DTYPE)
-                 for v, pad in ((entries.cos, 1.0), (entries.sin, 0.0)))
+    parts, spans, kernel, lo = [batch.positions], {}, {}, t
+    for m, w in batch.state.writes.items():
+        k, n = w.ids.shape[0], min(t, t // m + s)
+        parts.append(w.ids * m)
+        if n > k:
+            parts.append(dense.constant(n - k, 0, batch.positions.dtype, batch.positions.device))
+        spans[m], kernel[m] = (lo, lo + k), (lo, n)
+        lo += max(n, k)
+    return (torch.cat(parts) if len(parts) > 1 else batch.positions), spans, kernel
 
 
 def rope(x, angles, rope_dim: int, inverse: bool = False):
@@ -112,17 +134,21 @@ def linear_w8a8(x, weight: W8A8):
 def linear_w8a8_pair(x, first: W8A8, second: W8A8, merged: bool = False):
     """Two W8A8 linears of one input (profile shared_inputs): x quantised once, as vllm-ascend's DeepSeek-V4
     attention shares the hidden state's quantisation between wq_a and wkv. `merged` (shared_inputs one_gemm):
-    `first` holds both weights' rows, `second` a view of its last rows, and one quantised GEMM makes both outputs
-    (vLLM's fused_wqa_wkv); each output column is the same int32 dot product and scaling as the separate GEMM's.
-    The two column ranges of the [T, N1 + N2] result are strided once T > 1, and the norm and rotary kernels that
-    read them are not documented to take strided rows (CANN's aclnnAddRmsNorm says it takes no non-contiguous
-    tensor; torch_npu copies such an input before a kernel that cannot): each is made contiguous here, a view at
-    one row, a counted copy at more."""
+    `first` holds both weights' rows, `second` a view of its last rows. At one row, one quantised GEMM makes both
+    outputs (vLLM's fused_wqa_wkv), each a contiguous view of the one result row; at more, a column range of
+    the [T, N1 + N2] product is strided, and the norm and rotary kernels that read the two outputs are not
+    documented to take strided rows (CANN's aclnnAddRmsNorm says it takes no non-contiguous tensor; torch_npu
+    copies such an input before a kernel that cannot), so the one quantisation feeds two GEMMs, one per row
+    range of the stacked weight: two launches where the one GEMM and its two copies would be three. Each output
+    column is the same int32 dot product and scaling either way."""
     xq, xs = _quantised(x)
-    if merged:
-        y, n = _quant_matmul(xq, xs, first), second.qweight.shape[-2]
-        return y[..., :-n].contiguous(), y[..., -n:].contiguous()
-    return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
+    if not merged:
+        return _quant_matmul(xq, xs, first), _quant_matmul(xq, xs, second)
+    n = second.qweight.shape[-2]
+    if xq.shape[0] == 1:
+        y = _quant_matmul(xq, xs, first)
+        return y[..., :-n], y[..., -n:]
+    return _quant_matmul(xq, xs, W8A8(first.qweight[:-n], first.scale[:-n])), _quant_matmul(xq, xs, second)
 
 
 def _quant_matmul(xq, xs, weight: W8A8):
@@ -196,6 +222,34 @@ def hc_expand_bf16(e, streams: int):
 def hc_pre_fused(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
     """npu_hc_pre_v2: the mixing GEMM, pre / post / comb, the whole Sinkhorn and the collapse in one kernel."""
     return device.npu_hc_pre_v2(x, fn, scale, base, x.shape[1], iters, norm_eps, hc_eps)
+
+
+# hc_head_fn -> (hc_head_base, hc_head_scale, the three as npu_hc_pre_v2's): made once per head, never per step
+_HEAD_AS_PRE = WeakIdKeyDictionary()
+
+
+def hc_head_fused(x, fn, base, scale, norm_eps: float, hc_eps: float):
+    """hc_head through npu_hc_pre_v2: the head's reduction, y = sum_j (sigmoid(s m_j + b_j) + eps) X_j with
+    m = RMS-scaled fn . vec(X), is the kernel's pre gate and collapse, so the head's 4 mixing rows go in as the
+    kernel's pre rows, zeros as its post and comb rows (their gates and one Sinkhorn step are computed and
+    dropped). One launch instead of the composite's ten (widening copy, RMS, product, gate chain, collapse)."""
+    n = x.shape[1]
+    fn_pre, scale_pre, base_pre = _head_as_pre(fn, base, scale, n)
+    y, _, _ = device.npu_hc_pre_v2(x.to(DTYPE), fn_pre, scale_pre, base_pre, n, 1, norm_eps, hc_eps)
+    return y
+
+
+def _head_as_pre(fn, base, scale, n: int):
+    held = _HEAD_AS_PRE.get(fn)
+    if held is not None and held[0] is base and held[1] is scale:
+        return held[2]
+    rest = n + n * n                                  # the post and comb rows the head has not
+    made = (torch.cat((fn.float(), fn.new_zeros((rest, fn.shape[1]), dtype=torch.float32))),
+            torch.cat((scale.float().reshape(1), scale.new_zeros(2, dtype=torch.float32))),
+            torch.cat((base.float(), base.new_zeros(rest, dtype=torch.float32))))
+    if not torch.compiler.is_exporting():             # a traced step's would be the tracer's tensors
+        _HEAD_AS_PRE[fn] = (base, scale, made)
+    return made
 
 
 def hc_post_fused(y, x, post, comb):

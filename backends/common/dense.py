@@ -34,20 +34,24 @@ def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tenso
     return (y if weight is None else y * weight.float()).to(x.dtype)
 
 
-_UNIT: dict = {}      # (n, dtype, device) -> ones(n)
+_CONSTANTS: dict = {}      # (n, value, dtype, device) -> full(n, value)
+
+
+def constant(n: int, value: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """full(n, value), made once per (n, value, dtype, device), so a step launches no fill. Not kept when
+    made while torch.export traces a step (it would be the tracer's fake tensor)."""
+    key = (n, value, dtype, str(device))
+    if key in _CONSTANTS:
+        return _CONSTANTS[key]
+    made = torch.full((n,), value, dtype=dtype, device=device)
+    if not torch.compiler.is_exporting():
+        _CONSTANTS[key] = made
+    return made
 
 
 def unit_weight(n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """ones(n): the gamma of an unweighted RMS through a kernel that requires one; made once per
-    (n, dtype, device), so a step launches no fill. Not kept when made while torch.export traces a
-    step (it would be the tracer's fake tensor)."""
-    key = (n, dtype, str(device))
-    if key in _UNIT:
-        return _UNIT[key]
-    ones = torch.ones(n, dtype=dtype, device=device)
-    if not torch.compiler.is_exporting():
-        _UNIT[key] = ones
-    return ones
+    """ones(n): the gamma of an unweighted RMS through a kernel that requires one."""
+    return constant(n, 1.0, dtype, device)
 
 
 def gamma_rms(npu_rms_norm):

@@ -14,8 +14,9 @@ from lib.records.batch import Batch
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
-    """[T, n, d] fp32 streams -> [T, d] fp32."""
-    return x.float().mean(dim=1)
+    """[T, n, d] streams -> [T, d] fp32: the mean accumulates in fp32 itself, so bf16 streams (ascend910's fused
+    mHC state) take one launch, not a widening copy and then the mean."""
+    return x.mean(dim=1, dtype=torch.float32)
 
 
 def context_features(taps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

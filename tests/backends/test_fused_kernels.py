@@ -65,7 +65,8 @@ def test_the_loader_chooses_by_shape_and_the_generated_code_follows(tiny_ckpt):
         logits, launches = _decode(fused)
     ref, composite = _decode(plain)
     sub_layers = 2 * len(fused.layers)
-    assert launches["npu_hc_pre_v2"] == launches["npu_hc_post"] == sub_layers
+    assert launches["npu_hc_post"] == sub_layers
+    assert launches["npu_hc_pre_v2"] == sub_layers + 1        # and the head's reduction (hc_head_fused)
     assert "npu_hc_pre_v2" not in composite and sum(launches.values()) < sum(composite.values()) - 50 * sub_layers
     assert launches["moe_gating_top_k_hash"] == composite["moe_gating_top_k_hash"] == len(fused.layers)
     assert logits.dtype == ref.dtype and torch.isfinite(logits).all()
@@ -96,6 +97,28 @@ def test_fused_hc_pre_and_post_compute_what_the_composites_do():
     torch.testing.assert_close(comb.sum(-2), torch.ones(5, 4), atol=1e-4, rtol=0)   # a column step ends it
     want = hc.hc_post(y, x.float(), post, comb)
     torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3)
+
+
+def test_the_head_reduction_through_the_fused_hc_pre_is_the_composite_hc_head():
+    """hc_head_fused hands npu_hc_pre_v2 the head's 4 mixing rows as its pre rows and zero post / comb rows; its
+    collapse is the head's y to one bf16 rounding, and the padded weights are made once per head weight."""
+    from backends.ascend910 import lowerings as l910
+
+    x, fn24, scale3, base24 = _hc_inputs()
+    fn, base, scale = fn24[:4].contiguous(), base24[:4].contiguous(), scale3[:1].contiguous()
+    want = hc.hc_head(x.float(), fn, base, scale, 1e-6, 1e-6, dtype=torch.float32)
+    with relaxed_widths():
+        y = l910.hc_head_fused(x, fn, base, scale, 1e-6, 1e-6)
+        guard = CapabilityGuard(rules_from_profile(PROFILE), mode="count")
+        with guard:
+            again = l910.hc_head_fused(x, fn, base, scale, 1e-6, 1e-6)
+        shifted = l910.hc_head_fused(x, fn, base + 1, scale, 1e-6, 1e-6)       # same fn, another base: its own rows
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 64) and torch.equal(again, y)
+    assert guard.report().total.launches == {"npu_hc_pre_v2": 1}
+    torch.testing.assert_close(y.float(), want, rtol=8e-3, atol=8e-3)        # one bf16 rounding
+    torch.testing.assert_close(shifted.float(), hc.hc_head(x.float(), fn, base + 1, scale, 1e-6, 1e-6, dtype=torch.float32),
+                               rtol=8e-3, atol=8e-3)
+    assert not torch.equal(shifted, y)
 
 
 def test_fused_kernels_refuse_what_the_device_refuses():
