@@ -85,10 +85,14 @@ def o_proj_w8a8(x, weight: W8A8, groups: int, group=None):
     return parallel.all_reduce(y.reshape(groups, t, -1).float().sum(0), group).to(DTYPE)
 
 
-def shared_expert_w8a8(x, w1: W8A8, w3: W8A8, w2: W8A8, limit: float):
+def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):
     """gate/up with fp16 output (INT32 output is refused on 310P, L03), clipped SwiGLU in fp32,
-    then the down projection requantises the activation per token."""
-    gate, up = linear_w8a8(x, w1), linear_w8a8(x, w3)
+    then the down projection requantises the activation per token. w3 None: w1 holds gate | up (profile
+    merged_weights, halves), one GEMM whose output is widened once."""
+    if w3 is None:
+        gate, up = linear_w8a8(x, w1).float().chunk(2, dim=-1)
+    else:
+        gate, up = linear_w8a8(x, w1), linear_w8a8(x, w3)
     return linear_w8a8(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2)
 
 

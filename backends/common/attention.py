@@ -39,17 +39,27 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
              overlap: bool, eps: float, angles, rope_dim: int, rms=dense.rms) -> CompressorPools:
     """h [T, d] -> the same pools with this step's entries (fp32 pooling, stored in the pool's
     dtype) and projection rows (fp32) written; `angles`: the step's RoPE of this table, whose entries
-    of `ratio` rotate the completed entries at m * e."""
+    of `ratio` rotate the completed entries at m * e. `wgate` None: wkv holds both projections, A's
+    rows then Z's (profile merged_weights, halves), one GEMM.
+
+    A step's rows A | Z [T, 2C] sit side by side as the state pool holds them, so the pooled positions
+    are one gather from the pool's rows and the step's, and the step's rows one write."""
     addr = batch.state
     slot = addr.step(("phase", ratio))                                          # [T] int32 position mod m
-    a_all = matmul(h.to(wkv.dtype), wkv.t()).float()                           # [T, C]
-    z_all = matmul(h.to(wgate.dtype), wgate.t()).float() + ape.float().index_select(0, slot)
-    c, ring, writes = a_all.shape[-1], pools.kv.shape[1], addr.writes[ratio]
+    x = h.to(wkv.dtype)
+    if wgate is None:
+        az = matmul(x, wkv.t()).float()                                         # [T, 2C] A | Z
+        az[:, az.shape[-1] // 2:] += ape.float().index_select(0, slot)
+    else:
+        z = matmul(x, wgate.t()).float() + ape.float().index_select(0, slot)
+        az = torch.cat((matmul(x, wkv.t()).float(), z), dim=-1)
+    c, ring, writes = az.shape[-1] // 2, pools.state.shape[1], addr.writes[ratio]
     span = 2 * ratio if overlap else ratio
     q = addr.step(("span_pos", ratio, span))                                   # [K, S] positions pooled
     src = addr.step(("span", ratio, span, ring)).reshape(-1)
-    kv = torch.cat((pools.kv.view(-1, c), a_all)).index_select(0, src).view(*q.shape, c)
-    gate = torch.cat((pools.gate.view(-1, c), z_all)).index_select(0, src).view(*q.shape, c)
+    rows = pools.state[1:].view(-1, 2 * c)                                      # the sequence slots' ring rows
+    pooled = torch.cat((rows, az)).index_select(0, src).view(*q.shape, 2 * c)
+    kv, gate = pooled[..., :c], pooled[..., c:]
     if overlap:
         dc = c // 2
         kv = torch.cat((kv[:, :ratio, :dc], kv[:, ratio:, dc:]), dim=1)
@@ -60,9 +70,7 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     new = rms(new, norm.float(), eps)                                           # fp32
     entries = rope(new, angles.entries[ratio], rope_dim)                        # at m * e
     pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
-    rows = addr.step(("ring", ring))
-    pools.kv.view(-1, c).index_copy_(0, rows, a_all)
-    pools.gate.view(-1, c).index_copy_(0, rows, z_all)
+    rows.index_copy_(0, addr.step(("ring", ring)), az)
     return pools
 
 
@@ -83,23 +91,31 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     addr, t = batch.state, q.shape[0]
     limit = addr.step(("limit", ratio))                                          # [T] int32 entries readable
     ws = weights.float() * weight_scale
-    best = torch.full((t, topk), float("-inf"), device=q.device)
-    best_ids = torch.full((t, topk), -1.0, device=q.device)                                       # float sort keys (L13)
+    # the running top-k starts empty; these and each block's ids are constants of the step's shapes, made once
+    best = dense.leading(("index best", topk, str(q.device)), t,
+                         lambda rows: torch.full((rows, topk), float("-inf"), device=q.device))
+    best_ids = dense.leading(("index best ids", topk, str(q.device)), t,                    # float sort keys (L13)
+                             lambda rows: torch.full((rows, topk), -1.0, device=q.device))
     n = index_block(t, q.shape[1], q.shape[2])                                  # every block full width
     for lo in range(0, addr.max_entries[ratio], n):
-        ids = torch.arange(lo, lo + n, dtype=torch.int32, device=q.device)
+        ids, float_ids = _block_ids(lo, n, q.device)
         rows = addr.entry_block(ratio, lo, n).reshape(-1)
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
         dots = invariant.bmm(q.float(), k.transpose(1, 2))                        # [T, Hi, n]
         scores = (ws.unsqueeze(-1) * torch.relu(dots)).sum(1)
         scores = torch.where(ids[None, :] < limit[:, None], scores, float("-inf"))
-        cand, cand_ids = torch.cat((best, scores), 1), torch.cat((best_ids, ids.float().expand(t, n)), 1)
+        cand, cand_ids = torch.cat((best, scores), 1), torch.cat((best_ids, float_ids.expand(t, n)), 1)
         top = cand.topk(topk, dim=-1)
         best, best_ids = top.values, torch.gather(cand_ids, 1, top.indices)
     # selected ids first in ascending order, then -1: one layout whatever filled the empty slots
     key = torch.where(torch.isfinite(best), best_ids, float(2 ** 24))
     order = key.sort(dim=-1).values
     return torch.where(order == float(2 ** 24), -1.0, order).to(torch.int32)
+
+
+def _block_ids(lo: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry ids lo .. lo + n - 1 of a block, int32 and as float sort keys: constants of the block."""
+    return dense.arange(lo + n, torch.int32, device)[lo:], dense.arange(lo + n, torch.float32, device)[lo:]
 
 
 def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, window: int, ratio: int):
@@ -130,7 +146,7 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     if entries is not None and selection is None:
         limit = addr.step(("limit", ratio))
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int32, device=q.device)
+            ids, _ = _block_ids(lo, HCA_BLOCK, q.device)
             rows = addr.entry_block(ratio, lo, HCA_BLOCK).reshape(-1)
             block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

@@ -7,6 +7,7 @@ output (the logits).
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lib.distributed import process_group as parallel
 from lib.emulation.invariant_matmul import group_mm, matmul
@@ -34,19 +35,56 @@ def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tenso
     return (y if weight is None else y * weight.float()).to(x.dtype)
 
 
-_CONSTANTS: dict = {}      # (n, value, dtype, device) -> full(n, value)
+_ONCE: dict = {}      # key -> a tensor a step reads and no step changes
+_LEADING: dict = {}   # key -> such a tensor whose leading dim grows to the largest asked for
+# rows a leading constant is made with at least: a step of up to this many rows (token rows, or (token, expert)
+# pairs) reads a view, so a decode or verify step launches the same kernels in every layer
+LEADING_ROWS = 4096
+
+
+def once(key, make):
+    """make() the first time `key` is asked for, the same tensor after: a constant of fixed shape a step reads,
+    made once, so a step launches no fill. Not kept when made while torch.export traces a step (it would be the
+    tracer's fake tensor)."""
+    if key in _ONCE:
+        return _ONCE[key]
+    made = _made(make)
+    if not torch.compiler.is_exporting():
+        _ONCE[key] = made
+    return made
+
+
+def _made(make, *args):
+    """make(*args) out of sight of a dispatch mode (the capability guard): a constant is made once per process,
+    whichever step first asks for it, so no step's launch count includes it. While torch.export traces a step
+    it is made in the trace."""
+    if torch.compiler.is_exporting():
+        return make(*args)
+    with _disable_current_modes():
+        return make(*args)
+
+
+def leading(key, n: int, make) -> torch.Tensor:
+    """make(rows)[:n], a view: constants whose leading size follows a step's (aranges, fills of [T, ...]) are held
+    once at the largest size asked for (at least LEADING_ROWS, doubling past it), so a step launches no fill and
+    the held memory is bounded by the largest step, not by how many sizes were seen."""
+    held = _LEADING.get(key)
+    if held is None or held.shape[0] < n:
+        held = _made(make, max(n, LEADING_ROWS, 2 * held.shape[0] if held is not None else 0))
+        if not torch.compiler.is_exporting():
+            _LEADING[key] = held
+    return held[:n]
 
 
 def constant(n: int, value: float, dtype: torch.dtype, device) -> torch.Tensor:
-    """full(n, value), made once per (n, value, dtype, device), so a step launches no fill. Not kept when
-    made while torch.export traces a step (it would be the tracer's fake tensor)."""
-    key = (n, value, dtype, str(device))
-    if key in _CONSTANTS:
-        return _CONSTANTS[key]
-    made = torch.full((n,), value, dtype=dtype, device=device)
-    if not torch.compiler.is_exporting():
-        _CONSTANTS[key] = made
-    return made
+    """full(n, value) (a view of a held constant)."""
+    return leading(("full", value, dtype, str(device)), n,
+                   lambda rows: torch.full((rows,), value, dtype=dtype, device=device))
+
+
+def arange(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """arange(n) (a view of a held constant)."""
+    return leading(("arange", dtype, str(device)), n, lambda rows: torch.arange(rows, dtype=dtype, device=device))
 
 
 def unit_weight(n: int, dtype: torch.dtype, device) -> torch.Tensor:

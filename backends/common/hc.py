@@ -7,6 +7,7 @@ the collapsed sub-layer input `u` is returned in the backend's compute dtype (`d
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from backends.common import dense
 from lib.emulation.invariant_matmul import matmul
@@ -24,20 +25,35 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, rms=dense.rms) -> t
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype, rms=dense.rms):
     """X [T, n, d] (fp32) -> (u [T, d] in `dtype`, post [T, n], comb [T, n, n]) (fp32).
 
-    The pre and post gates are one product, one sum (scale[0] and scale[1] broadcast over their n columns each)
-    and one sigmoid, and the collapse sum_j pre_j X_j one batched product: four launches fewer than each part
-    on its own (the Sinkhorn is the rest). The gate logits keep the reference's separate product and sum: an
+    All 2n + n*n mixing logits are one product and one sum: each column's scale (scale[0] over the pre columns,
+    scale[1] over the post, scale[2] over the comb) held as a column vector made once per weight, the same fp32
+    product per element as the reference's three. The gates are one sigmoid (over every column), and the collapse sum_j pre_j X_j one
+    batched product (the Sinkhorn is the rest). The logits keep the reference's separate product and sum: an
     addcmul there (a fused multiply-add, one rounding) changed the last bit of a fifth of them, and through the
     Sinkhorn that flipped a decisive token of the tiny Pro-shaped checkpoint on ascend310p (conformance). The
     collapse's batched product and hc_post's addcmul measured within the same conformance budgets."""
     n = x.shape[1]
     m = _mix(x, fn, norm_eps, rms)                                             # [T, 2n + n*n]
-    base, scale = base.float(), scale.float()
-    gates = torch.sigmoid(scale[:2].unsqueeze(-1) * m[:, :2 * n].unflatten(-1, (2, n)) + base[:2 * n].view(2, n))
-    pre, post = gates[:, 0] + hc_eps, 2 * gates[:, 1]                          # [T, 2, n] above: pre, post
-    logits = scale[2] * m[:, 2 * n:] + base[2 * n:]
-    comb = _sinkhorn(torch.softmax(logits.unflatten(-1, (n, n)), dim=-1) + hc_eps, iters, hc_eps)
+    logits = m * _column_scales(scale, n) + base.float()
+    gates = torch.sigmoid(logits)          # the comb columns' too: one contiguous kernel (a strided slice's
+    pre, post = gates[:, :n] + hc_eps, 2 * gates[:, n:2 * n]                  # sigmoid can round its tails apart)
+    comb = _sinkhorn(torch.softmax(logits[:, 2 * n:].unflatten(-1, (n, n)), dim=-1), iters, hc_eps)
     return _collapse(pre, x).to(dtype), post, comb
+
+
+# hc scale [3] -> (n, [2n + n*n] fp32 column scales): made once per weight, never per step
+_COLUMN_SCALES = WeakIdKeyDictionary()
+
+
+def _column_scales(scale: torch.Tensor, n: int) -> torch.Tensor:
+    held = _COLUMN_SCALES.get(scale)
+    if held is not None and held[0] == n:
+        return held[1]
+    s = scale.float()
+    made = torch.cat((s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)))     # fixed shapes (L12)
+    if not torch.compiler.is_exporting():              # a traced step's would be the tracer's tensor
+        _COLUMN_SCALES[scale] = (n, made)
+    return made
 
 
 def _collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -45,25 +61,35 @@ def _collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1)
 
 
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """comb [T, n, n] fp32 -> the reference's alternating normalisation, a column step first, then
-    `iters - 1` (row, column) pairs, each dividing by (sum + eps): two launches per step, not three.
+def _sinkhorn(probs: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """probs [T, n, n] fp32 (each row's softmax) -> the reference's normalisation of comb = probs + eps: a
+    column step first, then `iters - 1` (row, column) pairs, each dividing by (sum + eps): two launches per step,
+    not three.
 
-    comb sits in a [T, n+1, n+1] frame whose last column and last row hold eps and whose corner
-    holds 1 - n*eps. A row step sums each row over all n+1 columns (the sum and the + eps in one
-    reduction) and divides the first n columns in place; the eps column is never divided, and the
-    last row sums to one, so dividing it changes nothing. A column step is the same along the
-    other axis. Same equations as the reference (DSV4-REFERENCE §3.4); the sums differ from
+    comb sits in a [T, n+1, n+1] frame whose last column and last row hold eps and whose corner holds 1 - n*eps:
+    probs padded with zeros plus a constant frame (eps everywhere, 1 - n*eps in the corner; made once), which
+    adds the reference's + eps to every entry of comb in the same sum. A row step sums each row over all n+1
+    columns (the sum and the + eps in one reduction) and divides the first n columns in place; the eps column is
+    never divided, and the last row sums to one, so dividing it changes nothing. A column step is the same along
+    the other axis. Same equations as the reference (DSV4-REFERENCE §3.4); the sums differ from
     sum-then-add-eps by fp32 rounding order only."""
-    n = comb.shape[-1]
-    frame = torch.nn.functional.pad(comb, (0, 1, 0, 1), value=eps)
-    frame[:, n, n] = 1.0 - n * eps
+    n = probs.shape[-1]
+    frame = torch.nn.functional.pad(probs, (0, 1, 0, 1)) + _eps_frame(n, eps, probs.device)
     inner_rows, inner_cols = frame[:, :, :n], frame[:, :n, :]
     inner_cols.div_(frame.sum(dim=-2, keepdim=True))
     for _ in range(iters - 1):
         inner_rows.div_(frame.sum(dim=-1, keepdim=True))
         inner_cols.div_(frame.sum(dim=-2, keepdim=True))
     return frame[:, :n, :n]
+
+
+def _eps_frame(n: int, eps: float, device) -> torch.Tensor:
+    """[n+1, n+1] fp32: eps everywhere but the corner, 1 - n*eps there (made once per (n, eps, device))."""
+    def make():
+        frame = torch.full((n + 1, n + 1), eps, dtype=torch.float32, device=device)
+        frame[n, n] = 1.0 - n * eps
+        return frame
+    return dense.once(("hc eps frame", n, eps, str(device)), make)
 
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

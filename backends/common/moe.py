@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backends.common import dense
 from lib.distributed import expert_exchange as ep
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import local_ids
@@ -21,7 +22,7 @@ def _scores(x, gate) -> torch.Tensor:
 def _pick(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """values[t, ids[t, j]] for [T, E] values and [T, k] int32 ids, as a one-hot contraction (no gather: a
     gather is an AI-CPU op on 310P, L14)."""
-    onehot = ids[:, :, None] == torch.arange(values.shape[-1], dtype=torch.int32)[None, None, :]
+    onehot = ids[:, :, None] == dense.arange(values.shape[-1], torch.int32, values.device)[None, None, :]
     return (onehot * values[:, None, :]).sum(-1)
 
 
@@ -55,7 +56,7 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] bool: rows a grouped matmul actually wrote (before the list's last cumulative end)."""
-    return (torch.arange(rows, dtype=torch.int64) < group_list[-1])[:, None]
+    return (dense.arange(rows, torch.int64, group_list.device) < group_list[-1])[:, None]
 
 
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
@@ -85,7 +86,7 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
     from lib.records.expert_placement import rank_experts
 
     t, k = ids.shape
-    out = torch.zeros(t * k, x.shape[-1], dtype=dtype)
+    out = None
     for rank in placement.ranks:
         m1, m3, m2 = (None if w is None else rank_experts(w, placement, rank) for w in (w1, w3, w2))
         local = local_ids(ids, placement.local_of[rank])
@@ -97,12 +98,13 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
             act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit).to(dtype)
         elif merged_swiglu is not None:       # w1 holds gate | up (a backend's merged weights): one GEMM
             act = merged_swiglu(gmm(expanded, m1, group_list))
-        else:
-            act = clipped_swiglu(*gmm(expanded, m1, group_list).chunk(2, dim=-1), limit).to(dtype)
+        else:                                 # gate | up halves: widened once, then split
+            act = clipped_swiglu(*gmm(expanded, m1, group_list).float().chunk(2, dim=-1), limit).to(dtype)
         down = gmm(act, m2, group_list)                            # [T*k, d], sorted by local expert
         if zero_tail:                # False only to re-introduce B10 (conformance)
-            down = torch.where(valid_rows(group_list, down.shape[0]), down, torch.zeros_like(down))
-        out = out + down.index_select(0, row_idx)                  # pair p's row (row_idx: [pair] -> row)
+            down = torch.where(valid_rows(group_list, down.shape[0]), down, 0.0)
+        mine = down.index_select(0, row_idx)                       # pair p's row (row_idx: [pair] -> row)
+        out = mine if out is None else out + mine                  # a pair's row is zero on every other rank
     return out
 
 
@@ -111,5 +113,5 @@ def _combine(rows, weights, *, unpermute, dtype: torch.dtype, unpermute_multiple
     op (identity order); a hidden size the op refuses falls back to an fp32 sum (L08)."""
     t, k = weights.shape
     if rows.shape[-1] % unpermute_multiple == 0:
-        return unpermute(rows, torch.arange(t * k, dtype=torch.int32), weights.to(dtype))
+        return unpermute(rows, dense.arange(t * k, torch.int32, rows.device), weights.to(dtype))
     return (rows.float().reshape(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(dtype)

@@ -5,8 +5,8 @@ Angles are position * theta in fp32 (as the reference), made once per step for e
 entries the step completes, instead of three kernels in each of a layer's 4-6 rope calls), and so is
 each row's rotation as a [rope_dim, rope_dim] block-diagonal matrix: a rope call is then one batched
 product of the rope channels with their rows' matrices (the inverse with the transposed matrices, a
-view) and one concatenation with the channels it does not rotate. The rotation is done in fp32 and the
-result returned in x's dtype.
+view) written back into those channels of x in place. The rotation is done in fp32 and the result
+rounded to x's dtype.
 """
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """x [T, D] or [T, H, D]; angles: the step's rotation of this table (a StepRope of its rows or of a
     ratio's entries) or a (cos, sin) pair [T, rope_dim/2]: the trailing rope_dim channels of each row times
-    its rotation matrix (transposed for the inverse) in one batched product, the other channels as they are."""
+    its rotation matrix (transposed for the inverse) in one batched product, written back into x's own rope
+    channels (the copy rounds to x's dtype): x is overwritten and returned (the profiles declare the op
+    `consumes: [x]`, and the build checks no later step reads it)."""
     if isinstance(angles, StepRope) and angles.rotation:
         (matrices,) = angles.rotation
     else:
@@ -52,7 +54,8 @@ def rope(x: torch.Tensor, angles, rope_dim: int, inverse: bool = False) -> torch
         matrices = rotation_matrices(cos.float(), sin.float())
     if inverse:
         matrices = matrices.transpose(-1, -2)                                  # the inverse rotation: a view
-    d = x.shape[-1]
-    tail = x[..., d - rope_dim:].float()
-    rotated = torch.bmm(tail if x.dim() == 3 else tail.unsqueeze(1), matrices)
-    return torch.cat((x[..., : d - rope_dim], rotated.view(tail.shape).to(x.dtype)), dim=-1)
+    tail = x[..., x.shape[-1] - rope_dim:]
+    wide = tail.float()
+    rotated = torch.bmm(wide if x.dim() == 3 else wide.unsqueeze(1), matrices)
+    tail.copy_(rotated.view(tail.shape))
+    return x

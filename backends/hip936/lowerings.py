@@ -42,10 +42,14 @@ def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
 
 
 def shared_expert(x, w1, w3, w2, limit: float):
-    """The shared expert with BF16 weights (dequantised once at load, L27, L29)."""
+    """The shared expert with BF16 weights (dequantised once at load, L27, L29). w3 None: w1 holds gate | up
+    (profile merged_weights, halves), one GEMM whose output is widened once."""
     x = x.to(DTYPE)
-    act = moe.clipped_swiglu(matmul(x, w1.t()), matmul(x, w3.t()), limit).to(DTYPE)
-    return matmul(act, w2.t())
+    if w3 is None:
+        gate, up = matmul(x, w1.t()).float().chunk(2, dim=-1)
+    else:
+        gate, up = matmul(x, w1.t()), matmul(x, w3.t())
+    return matmul(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2.t())
 
 
 _E2M1_PAIRS: dict = {}       # device -> the table below

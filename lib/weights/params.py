@@ -17,7 +17,7 @@ from tqdm import tqdm
 from lib.weights import tp_slices as shard
 from lib.weights.checkpoint import Checkpoint, LoadLedger
 from lib.quant.reference_formats import resolve
-from lib.quant.runtime_formats import W4A8, W8A8
+from lib.quant.runtime_formats import W4A8, W8A8, PackedFP4
 from lib.records.expert_placement import expert_placement
 from spec.schedule import LayerInfo, schedule
 from spec.tables import Logical, load_tensor_table
@@ -154,7 +154,8 @@ def merged_pair(first, second, layout: str):
 
 def merge_outputs(first, second, layout: str = "halves"):
     """One weight computing both projections, in their runtime format (a plain [..., N, K] tensor, W8A8 rows
-    [..., N, K] with scales [..., N], W4A8 [..., K, N/8] packed along N with scales [..., N]). Its GEMM gives
+    [..., N, K] with scales [..., N], W4A8 [..., K, N/8] packed along N with scales [..., N], packed MXFP4 rows
+    [..., N, K/2] with block scales [..., N, K/32], halves only). Its GEMM gives
     [..., 2N]: the first's outputs then the second's ("halves"), or output 2j the first's j-th and 2j+1 the
     second's ("interleaved"; both N equal)."""
     if type(first) is not type(second):
@@ -169,6 +170,8 @@ def merge_outputs(first, second, layout: str = "halves"):
         return W4A8(torch.cat((first.qweight, second.qweight), dim=-1), torch.cat((first.scale, second.scale), dim=-1))
     if isinstance(first, W8A8):
         return W8A8(_join(first.qweight, second.qweight, -2, layout), _join(first.scale, second.scale, -1, layout))
+    if isinstance(first, PackedFP4) and layout == "halves":     # rows [..., N, K/2] and their block scales [..., N, K/32]
+        return PackedFP4(torch.cat((first.weight, second.weight), dim=-2), torch.cat((first.scale, second.scale), dim=-2))
     raise TypeError(f"no output-row concatenation for runtime format {type(first).__name__}")
 
 

@@ -80,15 +80,20 @@ def test_device_rope_rotates_with_the_steps_matrices_as_with_plain_angles(invers
         (torch.stack((step.cos[2, 1], step.sin[2, 1])), torch.stack((-step.sin[2, 1], step.cos[2, 1])))))
     assert torch.count_nonzero(matrices[:, 0:2, 2:]) == 0 and torch.count_nonzero(matrices[:, 2:4, 4:]) == 0
     x = torch.randn(4, 2, 10)
-    got = common_rope.rope(x, step, rope_dim=6, inverse=inverse)
-    assert torch.equal(got, common_rope.rope(x, (step.cos, step.sin), rope_dim=6, inverse=inverse))
+    mine = x.clone()                                        # both ropes rotate x in place (profile `consumes: [x]`)
+    got = common_rope.rope(mine, step, rope_dim=6, inverse=inverse)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(got[..., :4], x[..., :4])      # unrotated channels kept
+    assert torch.equal(got, common_rope.rope(x.clone(), (step.cos, step.sin), rope_dim=6, inverse=inverse))
     ref = rope_ops.rope(x, rope_ops.rope_angles(batch, tables=theta)["main"], rope_dim=6, inverse=inverse)
-    assert torch.allclose(got, ref, atol=1e-5)
+    assert torch.allclose(got, ref, atol=1e-5) and not torch.allclose(got, x, atol=1e-3)
+    half = x.half()                                         # 310P's activations: rotated in fp32, rounded once
+    wide = common_rope.rope(half.float(), step, rope_dim=6, inverse=inverse)
+    assert torch.equal(common_rope.rope(half.clone(), step, rope_dim=6, inverse=inverse), wide.half())
     npu = ascend910.rope_angles(batch, tables=theta)["main"]
     assert npu.rotary
     xb = x.to(torch.bfloat16)                               # the 910's activations (its rotary inputs are bf16)
-    assert torch.equal(ascend910.rope(xb, npu, rope_dim=6, inverse=inverse),
-                       ascend910.rope(xb, (npu.cos, npu.sin), rope_dim=6, inverse=inverse))
+    assert torch.equal(ascend910.rope(xb.clone(), npu, rope_dim=6, inverse=inverse),
+                       ascend910.rope(xb.clone(), (npu.cos, npu.sin), rope_dim=6, inverse=inverse))
 
 
 def test_sinkhorn_is_doubly_stochastic_and_hc_post_contracts_the_first_index():

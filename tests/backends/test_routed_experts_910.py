@@ -47,7 +47,8 @@ def test_one_rank_routes_as_the_composite_with_fewer_launches(tiny_ckpt):
     one = sections["one rank"].launches
     assert "npu_dynamic_quant" not in one                        # routing quantises the rows, the activation its own
     assert one["npu_grouped_matmul"] == 2 and one["npu_dequant_swiglu_quant"] == 1
-    assert sections["composite"].ops - sections["one rank"].ops >= 8, {n: s.ops for n, s in sections.items()}
+    # the composite's placement-map and row gathers, its own activation quantisation and its tail zeroing
+    assert sections["composite"].ops - sections["one rank"].ops >= 6, {n: s.ops for n, s in sections.items()}
     # the interleaved merge computes what separate gate and up GEMMs through the fp32 clipped SwiGLU compute
     w1, w3, w2, placement = args
     gate, up = (lowerings.W4A8(w.qweight, w.scale) for w in _split_interleaved(w1))
