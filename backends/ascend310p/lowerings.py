@@ -82,7 +82,9 @@ def o_proj_w8a8(x, weight: W8A8, groups: int, group=None):
     xg = x.to(DTYPE).reshape(t, groups, -1).transpose(0, 1).reshape(groups * t, -1)    # rows grouped by g
     group_list = _cumulative_groups(groups, t)                                         # cumulative (L07)
     y = _grouped(xg, weight, group_list)                                               # [G*T, d] fp16
-    return parallel.all_reduce(y.reshape(groups, t, -1).float().sum(0), group).to(DTYPE)
+    # summed in fp32 by the reduction itself (each term widened exactly, the same adds in the same order as
+    # widening first), not after a separate widening copy
+    return parallel.all_reduce(y.reshape(groups, t, -1).sum(0, dtype=torch.float32), group).to(DTYPE)
 
 
 def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):

@@ -135,9 +135,8 @@ class Addressing(NamedTuple):
 
     def entry_rows_of(self, ratio: int, ids: torch.Tensor) -> torch.Tensor:
         """Pool rows [T, k] of entry ids [T, k] of each token row's sequence (ids < 0: row 0)."""
-        table = self.step(("entries", ratio))
-        flat = self.row_seq[:, None] * table.shape[1] + ids.clamp(min=0)
-        return table.view(-1).index_select(0, flat.reshape(-1)).view(ids.shape)
+        flat = self.step(("entry_base", ratio)) + ids.clamp(min=0)                 # [T, 1] + [T, k]
+        return self.step(("entries", ratio)).view(-1).index_select(0, flat.reshape(-1)).view(ids.shape)
 
     # ---- rings (per-sequence slots) --------------------------------------------------------
     def to(self, device) -> Addressing:
@@ -193,6 +192,7 @@ def with_step_rows(addr: Addressing, positions: torch.Tensor, *, window: int, wi
         rows[("phase", m)] = (positions % m).to(torch.int32)      # each token's slot in its window (ape row)
     for m in addr.max_entries:
         rows[("entries", m)] = addr.seq_entries(m, addr.max_entries[m] + ENTRY_PAD)[0]
+        rows[("entry_base", m)] = addr.row_seq[:, None] * rows[("entries", m)].shape[1]   # each row's table offset
         rows[("limit", m)] = ((positions + 1) // m).to(torch.int32)     # entries each token row may read
     return addr._replace(rows=rows | kernel_rows(addr, window_rings, rings))
 

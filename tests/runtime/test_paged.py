@@ -326,6 +326,8 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
             assert torch.equal(rows, (pos % key[0]).to(torch.int32))
         elif kind == "limit":
             assert torch.equal(rows, ((pos + 1) // key[0]).to(torch.int32))
+        elif kind == "entry_base":                     # each row's offset into its flattened entry table
+            assert torch.equal(rows, seq[:, None] * addr.rows[("entries", key[0])].shape[1])
         elif kind == "query_start":                    # a paged kernel's cu_seqlens_q and seqused_kv
             assert rows.tolist() == [0, 3, 4] and torch.equal(addr.rows[("seq_lens",)], torch.tensor([16, 7]).int())
         elif kind == "row_ends":                       # each token row its own batch of one query
@@ -346,7 +348,8 @@ def test_step_rows_are_what_each_layer_computed_and_built_once(models, backend):
         assert torch.equal(addr.entry_block(m, 0, ids.shape[1]), want)
         assert torch.equal(addr.entry_rows_of(m, ids), want)
     kinds = {k[0] for k in addr.rows}
-    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries", "limit",
-                     "query_start", "seq_lens", "start_pos", "window_table", "state_table", "row_ends", "row_table"}
+    assert kinds == {"ring", "window", "window_mask", "span", "span_pos", "span_valid", "phase", "entries",
+                     "entry_base", "limit", "query_start", "seq_lens", "start_pos", "window_table", "state_table",
+                     "row_ends", "row_table"}
     with pytest.raises(KeyError, match=r"no rows \('ring', 999\)"):
         addr.step(("ring", 999))
