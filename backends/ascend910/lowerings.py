@@ -10,7 +10,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from backends.ascend910 import device_ops as device
 from backends.common import attention, dense, hc, moe
@@ -52,7 +51,7 @@ def rope_angles(batch, *, tables: dict) -> dict[str, StepRope]:
     both as the in-place rotary's bf16 per-channel rows ([2, tables, N, rope_dim]: r1 = cos, r2 = sin per pair)
     and -r2 for the inverse. The compressor kernel's rope rows of the table compressors read (spec/schedule.py
     COMPRESS_TABLE) are row ranges of that same product: its entries, then cos 1 / sin 0 (position 0), as
-    vllm-ascend's compressor_metadata pads its rows. Eleven launches a step however many tables and ratios."""
+    vllm-ascend's compressor_metadata pads its rows. Twelve launches a step for two tables and two ratios."""
     t = batch.positions.shape[0]
     positions, spans, kernel_rows = _step_positions(batch, padded=COMPRESS_TABLE in tables)
     names = list(tables)
@@ -224,10 +223,6 @@ def hc_pre_fused(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float)
     return device.npu_hc_pre_v2(x, fn, scale, base, x.shape[1], iters, norm_eps, hc_eps)
 
 
-# hc_head_fn -> (hc_head_base, hc_head_scale, the three as npu_hc_pre_v2's): made once per head, never per step
-_HEAD_AS_PRE = WeakIdKeyDictionary()
-
-
 def hc_head_fused(x, fn, base, scale, norm_eps: float, hc_eps: float):
     """hc_head through npu_hc_pre_v2: the head's reduction, y = sum_j (sigmoid(s m_j + b_j) + eps) X_j with
     m = RMS-scaled fn . vec(X), is the kernel's pre gate and collapse, so the head's 4 mixing rows go in as the
@@ -240,16 +235,12 @@ def hc_head_fused(x, fn, base, scale, norm_eps: float, hc_eps: float):
 
 
 def _head_as_pre(fn, base, scale, n: int):
-    held = _HEAD_AS_PRE.get(fn)
-    if held is not None and held[0] is base and held[1] is scale:
-        return held[2]
+    """The head's (fn, scale, base) as npu_hc_pre_v2's, made once per head weight."""
     rest = n + n * n                                  # the post and comb rows the head has not
-    made = (torch.cat((fn.float(), fn.new_zeros((rest, fn.shape[1]), dtype=torch.float32))),
-            torch.cat((scale.float().reshape(1), scale.new_zeros(2, dtype=torch.float32))),
-            torch.cat((base.float(), base.new_zeros(rest, dtype=torch.float32))))
-    if not torch.compiler.is_exporting():             # a traced step's would be the tracer's tensors
-        _HEAD_AS_PRE[fn] = (base, scale, made)
-    return made
+    return dense.derived(fn, (base, scale, n), lambda: (
+        torch.cat((fn.float(), fn.new_zeros((rest, fn.shape[1]), dtype=torch.float32))),
+        torch.cat((scale.float().reshape(1), scale.new_zeros(2, dtype=torch.float32))),
+        torch.cat((base.float(), base.new_zeros(rest, dtype=torch.float32)))))
 
 
 def hc_post_fused(y, x, post, comb):

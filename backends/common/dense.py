@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lib.distributed import process_group as parallel
 from lib.emulation.invariant_matmul import group_mm, matmul
@@ -62,6 +63,24 @@ def _made(make, *args):
         return make(*args)
     with _disable_current_modes():
         return make(*args)
+
+
+# weight -> (the tensors and ints it was derived with, what was derived): per-weight constants, dropped with it
+_DERIVED = WeakIdKeyDictionary()
+
+
+def derived(weight: torch.Tensor, inputs: tuple, make):
+    """make() for `weight` and the other `inputs` it is derived with (tensors compared by identity, anything else by
+    value), made once per weight and re-made if those inputs change: a weight's runtime form a step reads (padded,
+    broadcast), never made per step. Not kept when made while torch.export traces a step."""
+    held = _DERIVED.get(weight)
+    if held is not None and len(held[0]) == len(inputs) and all(
+            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(held[0], inputs)):
+        return held[1]
+    made = make()
+    if not torch.compiler.is_exporting():
+        _DERIVED[weight] = (inputs, made)
+    return made
 
 
 def leading(key, n: int, make) -> torch.Tensor:

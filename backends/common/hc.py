@@ -7,7 +7,6 @@ the collapsed sub-layer input `u` is returned in the backend's compute dtype (`d
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from backends.common import dense
 from lib.emulation.invariant_matmul import matmul
@@ -41,19 +40,13 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dt
     return _collapse(pre, x).to(dtype), post, comb
 
 
-# hc scale [3] -> (n, [2n + n*n] fp32 column scales): made once per weight, never per step
-_COLUMN_SCALES = WeakIdKeyDictionary()
-
-
 def _column_scales(scale: torch.Tensor, n: int) -> torch.Tensor:
-    held = _COLUMN_SCALES.get(scale)
-    if held is not None and held[0] == n:
-        return held[1]
-    s = scale.float()
-    made = torch.cat((s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)))     # fixed shapes (L12)
-    if not torch.compiler.is_exporting():              # a traced step's would be the tracer's tensor
-        _COLUMN_SCALES[scale] = (n, made)
-    return made
+    """[2n + n*n] fp32: scale[0] over the pre columns, scale[1] over the post, scale[2] over the comb (made once per
+    weight)."""
+    def make():
+        s = scale.float()
+        return torch.cat((s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)))     # fixed shapes (L12)
+    return dense.derived(scale, (n,), make)
 
 
 def _collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
