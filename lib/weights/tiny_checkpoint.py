@@ -137,14 +137,18 @@ def cache_root() -> Path:
 
 
 def maker_hash(key: str) -> str:
-    """A short hash of `key` and of everything a made checkpoint's bytes depend on (spec files,
-    maker version), so a spec change names a new cached checkpoint instead of reusing a stale one."""
+    """A short hash of `key` and of everything a made checkpoint's bytes depend on (every spec source: the
+    tensor table, the variants and the code that expands them; the maker, tokenizer and codecs; the maker
+    version), so a spec change names a new cached checkpoint instead of reusing a stale one."""
     h = hashlib.sha256(f"{MAKER_VERSION}:{key}".encode())
     lib_dir = Path(__file__).resolve().parents[1]
-    sources = [SPEC_DIR / "quant.yaml", SPEC_DIR / "tensors.yaml", SPEC_DIR / "models" / "deepseek-v4-flash.yaml",
-               lib_dir / "weights" / "tiny_checkpoint.py", lib_dir / "text" / "tokenizer.py",
-               lib_dir / "quant" / "bit_codecs.py", lib_dir / "quant" / "reference_formats.py"]
-    for source in sources:
+    spec_sources = sorted(p for pattern in ("*.py", "*.yaml") for p in SPEC_DIR.rglob(pattern))
+    lib_sources = ("weights/tiny_checkpoint.py", "text/tokenizer.py", "quant/bit_codecs.py",
+                   "quant/reference_formats.py")
+    sources = [(f"spec/{p.relative_to(SPEC_DIR).as_posix()}", p) for p in spec_sources]
+    sources += [(f"lib/{name}", lib_dir / name) for name in lib_sources]
+    for name, source in sources:
+        h.update(name.encode())
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 

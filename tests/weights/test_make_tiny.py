@@ -227,3 +227,17 @@ def test_other_seed_gives_other_weights(tiny_ckpt, tmp_path):
     ca, cb = Checkpoint(tiny_ckpt), Checkpoint(other)
     for key in ("embed.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.tid2eid"):
         assert not torch.equal(ca.read(key).view(torch.uint8), cb.read(key).view(torch.uint8)), key
+
+
+def test_cached_checkpoints_are_named_by_every_spec_source(tmp_path, monkeypatch):
+    """An edit to any spec source (the variant tables' Python as much as the YAML) names a new cached embedded
+    checkpoint, so a developer's cache never serves weights an older spec made."""
+    import shutil
+
+    spec_copy = tmp_path / "spec"
+    shutil.copytree(lib.weights.tiny_checkpoint.SPEC_DIR, spec_copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(lib.weights.tiny_checkpoint, "SPEC_DIR", spec_copy)
+    before = lib.weights.tiny_checkpoint.maker_hash("0")
+    assert lib.weights.tiny_checkpoint.maker_hash("0") == before
+    (spec_copy / "variants.py").write_text((spec_copy / "variants.py").read_text() + "\n# edited\n")
+    assert lib.weights.tiny_checkpoint.maker_hash("0") != before
