@@ -103,10 +103,13 @@ def _as_w8a8(w: W8A8 | PackedFP4, quantize) -> W8A8:
     return packed_fp4_to_w8a8(w, quantize) if isinstance(w, PackedFP4) else w
 
 
-def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, zero_tail: bool = True,
-                   quantize=quantize_rows):
-    """`zero_tail` and `quantize` are fault sites: conformance renders B10 / B03 through them."""
+def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, shared, limit: float,
+                   zero_tail: bool = True, quantize=quantize_rows, shared_weight: float = 1.0):
+    """The combined routed rows plus the shared expert's output (one add: 310P's combine kernel takes no
+    shared rows, aclnnMoeFinalizeRoutingV2 on Atlas inference products). `zero_tail`, `quantize` and
+    `shared_weight` are fault sites: conformance renders B10 / B03 / B09 through them."""
     w1, w3, w2 = (_as_w8a8(w, quantize) for w in (w1, w3, w2))
-    return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
-                           gmm=_grouped, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE,
-                           unpermute_multiple=UNPERMUTE_HIDDEN_MULTIPLE, zero_tail=zero_tail)
+    routed = moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
+                             gmm=_grouped, unpermute=device.npu_moe_token_unpermute, dtype=DTYPE,
+                             unpermute_multiple=UNPERMUTE_HIDDEN_MULTIPLE, zero_tail=zero_tail)
+    return moe.add_shared(routed, shared, shared_weight)

@@ -13,6 +13,7 @@ import torch
 
 from lib.emulation import compressor_kernel
 from lib.emulation import lightning_indexer as indexer
+from lib.emulation import moe_finalize
 from lib.emulation import npu_ops as emu
 from lib.emulation import sharedkv_attention as sas
 from lib.emulation import vllm_ascend_ops as fused
@@ -30,6 +31,7 @@ DEVICE_OPS = MappingProxyType({
     "npu_grouped_matmul": ("L05", "L21"),
     "npu_moe_init_routing_v2": ("L06",),
     "npu_moe_token_unpermute": (),
+    "npu_moe_finalize_routing": (),
     "npu_rms_norm": (),
     "npu_scatter_nd_update_": (),
     "npu_hc_pre_v2": ("L22",),
@@ -98,6 +100,17 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     if (real := emu.real_npu_op("npu_moe_token_unpermute")) is not None:
         return emu.forward(real, locals())
     return emu.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape, soc=SOC)
+
+
+@device_op("npu_moe_finalize_routing", CHIP, SOC)
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0, k=1):
+    """The routed rows combined back per token with the shared expert's rows added (skip1), in one kernel
+    (lib/emulation/moe_finalize.py)."""
+    if (real := emu.real_npu_op("npu_moe_finalize_routing")) is not None:
+        return emu.forward(real, locals())
+    return moe_finalize.moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+                                             expanded_src_to_dst_row, export_for_source_row, drop_pad_mode, k)
 
 
 @device_op("npu_rms_norm", CHIP, SOC)

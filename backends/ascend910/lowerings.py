@@ -186,19 +186,24 @@ def _gmm_quantized(xq, xs, w: W4A8, group_list):
     return y
 
 
-def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placement: ExpertPlacement, limit: float,
-                   zero_tail: bool = True):
-    """W4A8 routed experts. On one EP rank holding every expert: npu_moe_init_routing_v2 sorts the (token, expert)
-    pairs and quantises their rows (quant_mode 1, the gate and up GEMMs read that one quantisation), and
-    npu_moe_token_unpermute combines the down rows straight from that order; every row is written (all experts
-    local, no pair dropped), so there is no tail to zero. w1 holds gate | up when the profile merges them (w3 None):
-    one grouped GEMM, then the clipped SwiGLU and the down GEMM's quantisation in one npu_dequant_swiglu_quant. Under EP the shared composite (dummy slot, tail rows zeroed, the
-    exchange: backends/common/moe.py)."""
+def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placement: ExpertPlacement, shared,
+                   limit: float, zero_tail: bool = True, shared_weight: float = 1.0):
+    """W4A8 routed experts, and the shared expert's output `shared` added. On one EP rank holding every expert:
+    npu_moe_init_routing_v2 sorts the (token, expert) pairs and quantises their rows (quant_mode 1, the gate and
+    up GEMMs read that one quantisation), and npu_moe_finalize_routing combines the down rows straight from that
+    order (drop_pad_mode 2: the index as npu_moe_init_routing_v2 arranges it), weighted by the router's fp32
+    weights beside the bf16 rows (A2 / A3 mixed precision) and with the shared rows added (skip1), in one kernel
+    where an unpermute, a cast of the weights and an add were three; every row is written (all experts local, no
+    pair dropped), so there is no tail to zero. w1 holds gate | up when the profile merges them (w3 None): one
+    grouped GEMM, then the clipped SwiGLU and the down GEMM's quantisation in one npu_dequant_swiglu_quant. Under
+    EP the shared composite (dummy slot, tail rows zeroed, the exchange: backends/common/moe.py), then one add.
+    `zero_tail` and `shared_weight` are fault sites (B10, B09)."""
     if placement.ep_size > 1:
-        return moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit,
-                               init_routing=device.npu_moe_init_routing_v2, gmm=_gmm_w4a8,
-                               unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail,
-                               merged_swiglu=functools.partial(clipped_swiglu_quant, limit=limit))
+        routed = moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit,
+                                 init_routing=device.npu_moe_init_routing_v2, gmm=_gmm_w4a8,
+                                 unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail,
+                                 merged_swiglu=functools.partial(clipped_swiglu_quant, limit=limit))
+        return moe.add_shared(routed, shared, shared_weight)
     t, k = ids.shape
     xq, row_idx, group_list, xs = device.npu_moe_init_routing_v2(
         x.to(DTYPE), ids, active_num=t * k, expert_num=placement.n_experts, expert_tokens_num_type=0,
@@ -209,7 +214,8 @@ def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placeme
         act = moe.clipped_swiglu(_gmm_quantized(xq, xs, w1, group_list), _gmm_quantized(xq, xs, w3, group_list),
                                  limit).to(DTYPE)
         down = _gmm_w4a8(act, w2, group_list)                        # [T*k, d] in expert order
-    return device.npu_moe_token_unpermute(down, row_idx, weights.to(DTYPE))
+    skip = shared.to(DTYPE) if shared_weight == 1.0 else shared.to(DTYPE) * shared_weight
+    return device.npu_moe_finalize_routing(down, skip, None, None, weights.float(), row_idx, None, drop_pad_mode=2)
 
 
 # ---- fused mHC (profile `fused: mhc`), chosen where hidden_size and hc_mult meet the kernels' limits ----

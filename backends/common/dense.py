@@ -170,7 +170,3 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows.to(torch.int32))
-
-
-def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a + b.to(a.dtype)

@@ -115,3 +115,9 @@ def _combine(rows, weights, *, unpermute, dtype: torch.dtype, unpermute_multiple
     if rows.shape[-1] % unpermute_multiple == 0:
         return unpermute(rows, dense.arange(t * k, torch.int32, rows.device), weights.to(dtype))
     return (rows.float().reshape(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(dtype)
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor, shared_weight: float = 1.0) -> torch.Tensor:
+    """routed + shared_weight * shared in the routed rows' dtype, one kernel. The model's weight is 1 (the route
+    scale is the routed part's alone); `shared_weight` is a fault site, conformance renders B09 through it."""
+    return torch.add(routed, shared.to(routed.dtype), alpha=shared_weight)

@@ -144,14 +144,17 @@ def _pair_matmul(xq, xs, w) -> torch.Tensor:
 PAIRWISE_MAX_TOKENS = 16
 
 
-def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, quantize=quantize_rows):
+def routed_experts(x, weights, ids, w1, w3, w2, placement: ExpertPlacement, shared, limit: float,
+                   quantize=quantize_rows, shared_weight: float = 1.0):
     """Routed experts as int8 (resident: converted at load; streaming: MXFP4 requantised FP4 -> INT8
     when they run, L29), multiplied with `_int_mm` (L28),
-    exchanged over the EP group when there is one (lib/distributed/expert_exchange.py). `quantize` is
-    a fault site: conformance renders B03 through it."""
-    return ep.exchange(placement, x, weights, ids, ep.Experts(
+    exchanged over the EP group when there is one (lib/distributed/expert_exchange.py), then the shared
+    expert's output added. `quantize` and `shared_weight` are fault sites: conformance renders B03 / B09
+    through them."""
+    routed = ep.exchange(placement, x, weights, ids, ep.Experts(
         lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit, quantize),
         functools.partial(ep.weighted_sum, out_dtype=DTYPE), torch.float32, DTYPE))
+    return moe.add_shared(routed, shared, shared_weight)
 
 
 def _routed_rows(x, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, quantize) -> torch.Tensor:

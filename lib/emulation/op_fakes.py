@@ -56,6 +56,12 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, **unuse
     return permuted_tokens.new_empty((sorted_indices.shape[0] // k, permuted_tokens.shape[1]))
 
 
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0, k=1):
+    rows = expanded_src_to_dst_row.shape[0] // (scales.shape[1] if scales is not None else (k or 1))
+    return expanded_permuted_rows.new_empty((rows, expanded_permuted_rows.shape[1]))
+
+
 def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - the schema's name
     g = gamma.dim()
     return torch.empty_like(input), input.new_empty((*input.shape[:input.dim() - g], *[1] * g), dtype=F32)
@@ -125,7 +131,8 @@ def npu_dequant_swiglu_quant(x, **unused):
 
 
 FAKES = {f.__name__: f for f in (npu_dequant_swiglu_quant, npu_rms_norm_dynamic_quant, compressor, inplace_partial_rotary_mul, npu_lightning_indexer, npu_sparse_attn_sharedkv, npu_sparse_attn_sharedkv_metadata, npu_hc_pre_v2, npu_hc_post, moe_gating_top_k_hash, npu_quant_matmul, npu_quant_matmul_dequant, npu_quant_grouped_matmul_dequant,
-                                 npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_rms_norm,
+                                 npu_grouped_matmul, npu_moe_init_routing_v2, npu_moe_token_unpermute, npu_moe_finalize_routing,
+                                 npu_rms_norm,
                                  npu_scatter_nd_update_, npu_dynamic_quant, _int_mm,
                                  _fused_rms_norm)}
 NEEDS_SOC = frozenset({"npu_moe_init_routing_v2"})     # fakes whose shapes follow a chip quirk

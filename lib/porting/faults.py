@@ -168,11 +168,6 @@ def gate_topk_route_hash(x, gate, tid2eid, tokens, route_scale):
     return moe._weights(scores, ids, route_scale), ids
 
 
-def shared_over_scale_add(a, b):
-    """B09: routed + shared / 1.5."""
-    return a + b.to(a.dtype) / 1.5
-
-
 def comb_before_sinkhorn(x, fn, base, scale, iters, norm_eps, hc_eps):
     """F01: the fused path's h_res (comb) taken before the Sinkhorn normalisation: softmax + eps only,
     rows and columns no longer summing to one, so the streams grow or fade layer by layer."""
@@ -262,7 +257,7 @@ CATALOGUE: dict[str, Injection] = {
     "B08": Injection("B08", "swiglu_limit not applied", ALL,
                      rewrite=_rewrite(kwargs={"routed_experts": UNCLIPPED, "swiglu_mlp": UNCLIPPED})),
     "B09": Injection("B09", "shared expert combined as routed + shared / 1.5", ALL,
-                     rewrite=_rewrite(calls={"add": "lib.porting.faults:shared_over_scale_add"})),
+                     rewrite=_rewrite(kwargs={"routed_experts": {"shared_weight": "1 / 1.5"}})),
     "B10": Injection("B10", "grouped-matmul tail rows not zeroed", GMM,
                      rewrite=_rewrite(kwargs={"routed_experts": {"zero_tail": "False"}})),
     "B11": Injection("B11", "every EP rank uses rank 0's expert map", ALL,

@@ -113,6 +113,9 @@ NOT_IN_A_STEP = {
     "npu_quant_matmul": lambda: ((_i8(3, 32), _i8(32, 16, seed=1), torch.full((16,), 0.01)), {"output_dtype": 5}),
     "npu_grouped_matmul": lambda: (([torch.randn(6, 32).half()], [torch.randn(2, 32, 16).half()]),
                                    {"group_list": torch.tensor([3, 6]), "split_item": 2, "group_type": 0}),
+    # ascend910 combines with npu_moe_finalize_routing on one EP rank; the unpermute serves its EP exchange
+    "npu_moe_token_unpermute": lambda: ((torch.randn(4, 16).bfloat16(), torch.tensor([2, 0, 3, 1], dtype=torch.int32),
+                                         torch.rand(2, 2).bfloat16()), {}),
 }
 
 

@@ -1,7 +1,7 @@
 """ascend910's routed experts on one EP rank (backends/ascend910/lowerings.py routed_experts): the rows quantised
 once by the routing op, gate | up in one grouped GEMM (the loader merges them, interleaved: profile merged_weights)
 and one npu_dequant_swiglu_quant for the activation and the down GEMM's quantisation, the down rows combined straight
-from the routing order, against the shared composite (dummy slot, the same activation, tail zeroing, pair-order
+from the routing order with the shared expert's rows added (npu_moe_finalize_routing), against the shared composite (dummy slot, the same activation, tail zeroing, pair-order
 combine) and against separate gate and up GEMMs through the fp32 clipped SwiGLU, on the same checkpoint weights,
 loaded through the real loader (B21); the launches that saves; and the merge itself."""
 from __future__ import annotations
@@ -35,26 +35,60 @@ def test_one_rank_routes_as_the_composite_with_fewer_launches(tiny_ckpt):
     x = torch.randn(t, model.cfg.hidden_size, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.rand(t, k, generator=g)
+    shared = torch.randn(t, model.cfg.hidden_size, generator=g).bfloat16()
     limit = model.cfg.swiglu_limit
     guard = CapabilityGuard(rules_from_profile(load_profile("ascend910")), mode="count")
     with guard, guard.section("one rank"):
-        got = lowerings.routed_experts(x, weights, ids, *args, limit)
+        got = lowerings.routed_experts(x, weights, ids, *args, shared, limit)
     with guard, guard.section("composite"):
-        want = _composite(x, weights, ids, *args, limit)
+        want = moe.add_shared(_composite(x, weights, ids, *args, limit), shared)
     assert got.dtype == want.dtype == torch.bfloat16
-    assert torch.equal(got, want) and want.abs().max() > 0      # the same quantisation, GEMMs and combine order
+    # the combine weights the rows by the router's fp32 weights and rounds once (the composite: bf16 weights, the
+    # unpermute's rounding, then the add's): within two roundings of each other ...
+    routed = want.float() - shared.float()
+    assert routed.abs().max() > 0
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * routed.abs().max().item())
+    # ... and equal where those agree (weights bf16 already, no shared rows): the same quantisation, GEMMs and order
+    exact = weights.bfloat16().float()
+    assert torch.equal(lowerings.routed_experts(x, exact, ids, *args, torch.zeros_like(shared), limit),
+                       _composite(x, exact, ids, *args, limit))
     sections = guard.report().sections
     one = sections["one rank"].launches
     assert "npu_dynamic_quant" not in one                        # routing quantises the rows, the activation its own
     assert one["npu_grouped_matmul"] == 2 and one["npu_dequant_swiglu_quant"] == 1
+    # one combine kernel takes the fp32 weights and adds the shared rows: no unpermute, weight cast or add
+    assert one["npu_moe_finalize_routing"] == 1 and "npu_moe_token_unpermute" not in one
+    assert not {"aten.add.Tensor", "aten.to.dtype"} & set(one), one
     # the composite's placement-map and row gathers, its own activation quantisation and its tail zeroing
-    assert sections["composite"].ops - sections["one rank"].ops >= 6, {n: s.ops for n, s in sections.items()}
+    assert sections["composite"].ops - sections["one rank"].ops >= 8, {n: s.ops for n, s in sections.items()}
     # the interleaved merge computes what separate gate and up GEMMs through the fp32 clipped SwiGLU compute
     w1, w3, w2, placement = args
     gate, up = (lowerings.W4A8(w.qweight, w.scale) for w in _split_interleaved(w1))
     separate = moe.grouped_moe(x, weights, ids, gate, up, w2, placement, limit, init_routing=device.npu_moe_init_routing_v2,
                                gmm=lowerings._gmm_w4a8, unpermute=device.npu_moe_token_unpermute, dtype=torch.bfloat16)
-    assert (separate.float() - got.float()).norm() <= 0.02 * separate.float().norm()
+    assert (separate.float() + shared.float() - got.float()).norm() <= 0.02 * separate.float().norm()
+
+
+def test_finalize_routing_reads_its_index_by_row_or_by_column_and_adds_the_skips():
+    """aclnnMoeFinalizeRoutingV2: out[i] = x1[i] + x2[i] + sum_k scales[i, k] rows[idx[r(i, k)]], r = i * K + k in
+    drop_pad_mode 2 (npu_moe_init_routing_v2's arrangement), i + k * N in mode 0; fp32 scales beside bf16 rows."""
+    rows = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4).bfloat16()          # N = 3 tokens, K = 2
+    by_row = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)                      # token i's k-th row: by_row[2i + k]
+    scales = torch.tensor([[1.0, 0.5], [2.0, 0.0], [0.25, 1.0]])
+    skip = torch.full((3, 4), 100.0).bfloat16()
+    out = device.npu_moe_finalize_routing(rows, skip, None, None, scales, by_row, None, drop_pad_mode=2)
+    picked = rows.float()[by_row.long().view(3, 2)]
+    want = (picked * scales.unsqueeze(-1)).sum(1) + 100.0
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+    by_column = by_row.view(3, 2).t().contiguous().view(-1)                         # the same pairs, k-major
+    assert torch.equal(device.npu_moe_finalize_routing(rows, skip, skip, None, scales, by_column, None, drop_pad_mode=0),
+                       (want + 100.0).bfloat16())
+    with pytest.raises(ValueError, match="skip2 needs skip1"):
+        device.npu_moe_finalize_routing(rows, None, skip, None, scales, by_row, None, drop_pad_mode=2)
+    with pytest.raises(ValueError, match="scales"):
+        device.npu_moe_finalize_routing(rows.half(), skip.half(), None, None, scales, by_row, None, drop_pad_mode=2)
+    with pytest.raises(NotImplementedError, match="drop_pad_mode 1"):
+        device.npu_moe_finalize_routing(rows, skip, None, None, scales, by_row, None, drop_pad_mode=1)
 
 
 def _split_interleaved(w):

@@ -33,11 +33,11 @@ def test_spec_edit_shows_up_as_generated_code_diff(tmp_path):
     shutil.copytree(SPEC_DIR, old)
     shutil.copytree(SPEC_DIR, new)
     graph = (new / "graph.yaml").read_text()
-    edited = graph.replace("{op: add, args: {a: routed, b: shared}, out: [out]}",
-                           "{op: add, args: {a: shared, b: routed}, out: [out]}")
+    edited = graph.replace("{op: hc_post, args: {y: f, x: x_mid, post: post_ffn, comb: comb_ffn}, out: [x_out]}",
+                           "{op: hc_post, args: {y: f, x: x_mid, post: post_attn, comb: comb_ffn}, out: [x_out]}")
     assert edited != graph
     (new / "graph.yaml").write_text(edited)
     out = spec_diff(old, new, "ascend310p")
-    assert "-    out = _dense.add(routed, shared)" in out
-    assert "+    out = _dense.add(shared, routed)" in out
+    assert "-    x_out = _hc.hc_post(f, x_mid, post_ffn, comb_ffn)" in out
+    assert "+    x_out = _hc.hc_post(f, x_mid, post_attn, comb_ffn)" in out
     assert "no change" in spec_diff(old, old, "ascend310p")

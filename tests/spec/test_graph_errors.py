@@ -13,7 +13,8 @@ from tests.spec.spec_edits import GRAPH, PROFILE, edit, error_of, line, real_cla
 
 # ---------------------------------------------------------------- graph.yaml
 
-ADD_STEP = "{op: add, args: {a: routed, b: shared}, out: [out]}"
+POST_STEP = "{op: hc_post, args: {y: a, x: x, post: post_attn, comb: comb_attn}, out: [x_mid]}"
+POST_LINE = "{op: hc_post, args: {y: a,"
 
 
 def graph(tmp_path, old, new):
@@ -25,18 +26,18 @@ def lower_file(path):
 
 
 def test_graph_unknown_op(tmp_path):
-    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("op: add", "op: plus"))
+    p = graph(tmp_path, POST_STEP, POST_STEP.replace("op: hc_post", "op: plus"))
     assert error_of(load_graph, p) == f"{p}:{line(p, 'op: plus')}: unknown op 'plus' (accepted: {real_ops()})"
 
 
 def test_graph_unbound_port(tmp_path):
-    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace(", b: shared", ""))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add': argument 'b' is not bound"
+    p = graph(tmp_path, POST_STEP, POST_STEP.replace(", comb: comb_attn", ""))
+    assert error_of(load_graph, p) == f"{p}:{line(p, POST_LINE)}: op 'hc_post': argument 'comb' is not bound"
 
 
 def test_graph_extra_arg(tmp_path):
-    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("b: shared", "b: shared, c: x"))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add' has no argument 'c' (accepted: a, b)"
+    p = graph(tmp_path, POST_STEP, POST_STEP.replace("comb: comb_attn", "comb: comb_attn, c: x"))
+    assert error_of(load_graph, p) == f"{p}:{line(p, POST_LINE)}: op 'hc_post' has no argument 'c' (accepted: y, x, post, comb)"
 
 
 def test_graph_missing_attr(tmp_path):
@@ -45,8 +46,8 @@ def test_graph_missing_attr(tmp_path):
 
 
 def test_graph_wrong_number_of_outputs(tmp_path):
-    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("out: [out]", "out: [out, extra]"))
-    assert error_of(load_graph, p) == f"{p}:{line(p, '{op: add,')}: op 'add' has 1 output (y), step binds 2"
+    p = graph(tmp_path, POST_STEP, POST_STEP.replace("out: [x_mid]", "out: [x_mid, extra]"))
+    assert error_of(load_graph, p) == f"{p}:{line(p, POST_LINE)}: op 'hc_post' has 1 output (x), step binds 2"
 
 
 def test_graph_attr_unknown_config_key(tmp_path):
@@ -73,10 +74,10 @@ def test_graph_attr_unknown_root(tmp_path):
 
 
 def test_graph_step_unknown_key(tmp_path):
-    p = graph(tmp_path, ADD_STEP, ADD_STEP.replace("args:", "arg:"))
+    p = graph(tmp_path, POST_STEP, POST_STEP.replace("args:", "arg:"))
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, '{op: add,')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, tap_layers) "
-        "at 'programs.ffn.steps.4.arg'")
+        f"{p}:{line(p, '{op: hc_post, arg:')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, "
+        "tap_layers) at 'programs.block.steps.3.arg'")
 
 
 def test_graph_unknown_program(tmp_path):
@@ -86,17 +87,22 @@ def test_graph_unknown_program(tmp_path):
 
 
 def test_graph_reads_value_defined_later(tmp_path):
-    # the shared expert moved after the sum that reads its output
+    # the shared expert moved after the routed experts' combine that reads its output
     shared = ("      - op: swiglu_mlp\n"
               "        args: {x: x, w1: p.ffn.shared_experts.w1.weight, w3: p.ffn.shared_experts.w3.weight,"
               " w2: p.ffn.shared_experts.w2.weight}\n"
               "        attrs: {limit: cfg.swiglu_limit}\n"
               "        out: [shared]\n")
-    add = f"      - {ADD_STEP}\n"
-    p = graph(tmp_path, shared + add, add + shared)
+    routed = ("      - op: routed_experts\n"
+              "        args: {x: x, weights: weights, ids: ids, w1: p.ffn.experts.w1.weight, w3: p.ffn.experts.w3.weight,"
+              " w2: p.ffn.experts.w2.weight,\n"
+              "               placement: p.ffn.experts.placement, shared: shared}\n"
+              "        attrs: {limit: cfg.swiglu_limit}\n"
+              "        out: [out]\n")
+    p = graph(tmp_path, shared + routed, routed + shared)
     assert error_of(lower_file, p) == (
-        f"{p}:{line(p, ADD_STEP)}: 'shared' is not defined before this step "
-        "(defined: batch, ids, routed, weights, x)")
+        f"{p}:{line(p, 'op: routed_experts')}: 'shared' is not defined before this step "
+        "(defined: batch, ids, weights, x)")
 
 
 def test_graph_reads_parameter_a_layer_kind_lacks(tmp_path):

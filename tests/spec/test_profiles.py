@@ -56,9 +56,11 @@ def test_device_ops_exist_with_their_recorded_schema(backend):
         assert set(low.device_ops) <= set(profile.device_ops)
 
 
-def bf16_add(a, b):
-    """A lowering of `add` that slips into bf16 (rendered into the 310P code below)."""
-    return (a.to(torch.bfloat16) + b.to(torch.bfloat16)).to(a.dtype)
+def bf16_hc_post(y, x, post, comb):
+    """A lowering of `hc_post` that slips into bf16 (rendered into the 310P code below)."""
+    from backends.common import hc
+
+    return hc.hc_post(y.to(torch.bfloat16), x, post, comb)
 
 
 def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path):
@@ -72,7 +74,7 @@ def test_310p_guard_catches_a_lowering_that_reaches_bf16(tmp_path):
     rules = rules_from_profile(load_profile("ascend310p"))
     with CapabilityGuard(rules):
         prefill_logits(model, [20, 21, 22])
-    with rendered("ascend310p", Rewrite(calls={"add": "tests.spec.test_profiles:bf16_add"}), "test") as code:
+    with rendered("ascend310p", Rewrite(calls={"hc_post": "tests.spec.test_profiles:bf16_hc_post"}), "test") as code:
         slipped = load_model(tiny, "ascend310p", code=code)
         with pytest.raises(GuardViolation, match=r"bfloat16.*test_profiles.py:\d+"):
             with CapabilityGuard(rules):

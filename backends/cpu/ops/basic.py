@@ -108,7 +108,3 @@ def o_proj(x: torch.Tensor, weight: torch.Tensor, groups: int, group=None) -> to
 def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """x [T, d] -> x[rows] [R, d]; all rows when `rows` is None."""
     return x if rows is None else x.index_select(0, rows)
-
-
-def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.to(wide.dtype) + b.to(wide.dtype)).float()

@@ -57,14 +57,16 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
-                   w3: torch.Tensor, w2: torch.Tensor, placement, limit: float) -> torch.Tensor:
-    """sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I].
+                   w3: torch.Tensor, w2: torch.Tensor, placement, shared: torch.Tensor, limit: float) -> torch.Tensor:
+    """shared + sum_e g_e * expert_e(x) over each token's selected experts; w1, w3 [E, I, d], w2 [E, d, I];
+    shared [T, d] the shared expert's output (weight 1), added in fp64 to the routed sum rounded to fp32.
 
     `placement` (EP) decides where experts run, not what they compute: a process holding only its
     EP rank's experts computes their pairs' rows, and lib/distributed/expert_exchange.py brings every token its rows."""
-    return ep.exchange(placement, x, weights, ids, ep.Experts(
+    routed = ep.exchange(placement, x, weights, ids, ep.Experts(
         lambda xs, es: _routed_rows(xs, es, w1, w3, w2, placement, limit),
         functools.partial(ep.weighted_sum, out_dtype=torch.float32), wide.dtype, torch.float32))
+    return (routed.to(wide.dtype) + shared.to(wide.dtype)).float()
 
 
 def _routed_rows(x, ids, w1, w3, w2, placement, limit: float) -> torch.Tensor:
