@@ -116,10 +116,19 @@ def _int8_experts(w: PackedFP4 | W8A8, quantize, experts: torch.Tensor | None = 
     return picked if isinstance(picked, W8A8) else _requant_fp4(picked, quantize)
 
 
+def _swiglu(product, w1, w3, limit: float) -> torch.Tensor:
+    """The clipped SwiGLU of the gate and up products (`product(w)`: fp32 rows). w3 None: w1 holds gate | up
+    (profile merged_weights routed_gate_up, halves), so one product makes both, split in halves; each output
+    column is the same int32 dot product and scaling as the two products would give."""
+    if w3 is None:
+        gate, up = product(w1).chunk(2, dim=-1)
+        return moe.clipped_swiglu(gate, up, limit)
+    return moe.clipped_swiglu(product(w1), product(w3), limit)
+
+
 def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
-    """Clipped SwiGLU of int8 tokens through expert `e` of int8 weights (each [E, N, K])."""
-    act = moe.clipped_swiglu(_int_matmul(xq, xs, w1.qweight[e], w1.scale[e]),
-                             _int_matmul(xq, xs, w3.qweight[e], w3.scale[e]), limit)
+    """Clipped SwiGLU of int8 tokens through expert `e` of int8 weights (each [E, N, K]; w3 None: w1 is gate | up)."""
+    act = _swiglu(lambda w: _int_matmul(xq, xs, w.qweight[e], w.scale[e]), w1, w3, limit)
     aq, as_ = _quant_tokens(act)
     return _int_matmul(aq, as_, w2.qweight[e], w2.scale[e])
 
@@ -165,20 +174,20 @@ def _routed_rows(x, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, q
     rows = None           # the ranks' rows summed (a pair held elsewhere reads the dummy expert's zero row)
     for rank in placement.ranks:
         local = local_ids(ids, placement.local_of[rank])
-        mats = [rank_experts(w, placement, rank) for w in (w1, w3, w2)]
+        mats = [None if w is None else rank_experts(w, placement, rank) for w in (w1, w3, w2)]
         if t <= PAIRWISE_MAX_TOKENS:      # the T*k (token, slot) pairs, token-major, through one chain
             pq = xq.unsqueeze(1).expand(t, k, xq.shape[-1]).reshape(t * k, -1)
             ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
             remote = placement.n_local < placement.n_experts      # some pairs route to the dummy expert
-            g1, g3, g2 = (_int8_experts(w, quantize, local.reshape(-1), remote) for w in mats)
-            act = moe.clipped_swiglu(_pair_matmul(pq, ps, g1), _pair_matmul(pq, ps, g3), limit)
+            g1, g3, g2 = (None if w is None else _int8_experts(w, quantize, local.reshape(-1), remote) for w in mats)
+            act = _swiglu(lambda w: _pair_matmul(pq, ps, w), g1, g3, limit)
             aq, as_ = _quant_tokens(act)
             part = _pair_matmul(aq, as_, g2).view(t, k, -1)
             rows = part if rows is None else rows + part
             continue
         if rows is None:
             rows = torch.zeros(t, k, x.shape[-1], dtype=torch.float32)
-        g1, g3, g2 = (_int8_experts(w, quantize) for w in mats)
+        g1, g3, g2 = (None if w is None else _int8_experts(w, quantize) for w in mats)
         for e in range(placement.n_local):
             y = _expert(xq, xs, g1, g3, g2, e, limit)                                   # [T, d]
             rows = torch.where((local == e).unsqueeze(-1), y.unsqueeze(1), rows)
