@@ -8,7 +8,8 @@ with r(i, k) = i + k * N for drop_pad_mode 0 (the index arranged by column, acln
 i * K + k for drop_pad_mode 2 (arranged by row: npu_moe_init_routing_v2's expanded_row_idx as it comes). On A2 /
 A3 the scales may be fp32 beside bf16 rows ("mixed precision"), x1 / x2 / bias take the rows' dtype, x2 needs
 x1, bias needs expert_idx. Emulated: the dropless modes 0 and 2, accumulated in fp32 and rounded once to the
-rows' dtype (the doc states no accumulation type; fp32 is what the A2 vector unit computes bf16 in).
+rows' dtype (the doc states no accumulation type; the emulation of npu_moe_token_unpermute, its unfused
+counterpart, accumulates the same way).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _check(rows, skip1, skip2, bias, scales, row_idx, expert_idx, drop_pad_mode)
     need(skip2 is None or skip1 is not None, f"{OP}: skip2 needs skip1 (aclnnMoeFinalizeRoutingV2: x1 before x2)")
     need(bias is None or expert_idx is not None, f"{OP}: bias needs export_for_source_row (the expert of each pair)")
     for name, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias)):
-        need(t is None or t.dtype == rows.dtype, f"{OP}: {name} must have the rows' dtype {rows.dtype}, found {getattr(t, 'dtype', None)}")
+        found = None if t is None else t.dtype
+        need(t is None or found == rows.dtype, f"{OP}: {name} must have the rows' dtype {rows.dtype}, found {found}")
     need(scales is None or scales.dtype == rows.dtype or (scales.dtype == F32 and rows.dtype == BF16),
          f"{OP}: scales {None if scales is None else scales.dtype} must have the rows' dtype (fp32 beside bf16 rows "
          "is the documented mixed precision)")

@@ -1,9 +1,10 @@
 """ascend910's routed experts on one EP rank (backends/ascend910/lowerings.py routed_experts): the rows quantised
 once by the routing op, gate | up in one grouped GEMM (the loader merges them, interleaved: profile merged_weights)
 and one npu_dequant_swiglu_quant for the activation and the down GEMM's quantisation, the down rows combined straight
-from the routing order with the shared expert's rows added (npu_moe_finalize_routing), against the shared composite (dummy slot, the same activation, tail zeroing, pair-order
-combine) and against separate gate and up GEMMs through the fp32 clipped SwiGLU, on the same checkpoint weights,
-loaded through the real loader (B21); the launches that saves; and the merge itself."""
+from the routing order with the shared expert's rows added (npu_moe_finalize_routing), against the shared
+composite (dummy slot, the same activation, tail zeroing, pair-order combine, then an add) and against separate
+gate and up GEMMs through the fp32 clipped SwiGLU, on the same checkpoint weights, loaded through the real loader
+(B21); the launches that saves; the combine kernel's index arrangements; and the merge itself."""
 from __future__ import annotations
 
 import functools
@@ -73,7 +74,7 @@ def test_finalize_routing_reads_its_index_by_row_or_by_column_and_adds_the_skips
     """aclnnMoeFinalizeRoutingV2: out[i] = x1[i] + x2[i] + sum_k scales[i, k] rows[idx[r(i, k)]], r = i * K + k in
     drop_pad_mode 2 (npu_moe_init_routing_v2's arrangement), i + k * N in mode 0; fp32 scales beside bf16 rows."""
     rows = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4).bfloat16()          # N = 3 tokens, K = 2
-    by_row = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)                      # token i's k-th row: by_row[2i + k]
+    by_row = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)          # token i's k-th row: by_row[2i + k]
     scales = torch.tensor([[1.0, 0.5], [2.0, 0.0], [0.25, 1.0]])
     skip = torch.full((3, 4), 100.0).bfloat16()
     out = device.npu_moe_finalize_routing(rows, skip, None, None, scales, by_row, None, drop_pad_mode=2)
@@ -81,8 +82,8 @@ def test_finalize_routing_reads_its_index_by_row_or_by_column_and_adds_the_skips
     want = (picked * scales.unsqueeze(-1)).sum(1) + 100.0
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
     by_column = by_row.view(3, 2).t().contiguous().view(-1)                         # the same pairs, k-major
-    assert torch.equal(device.npu_moe_finalize_routing(rows, skip, skip, None, scales, by_column, None, drop_pad_mode=0),
-                       (want + 100.0).bfloat16())
+    both = device.npu_moe_finalize_routing(rows, skip, skip, None, scales, by_column, None, drop_pad_mode=0)
+    assert torch.equal(both, (want + 100.0).bfloat16())
     with pytest.raises(ValueError, match="skip2 needs skip1"):
         device.npu_moe_finalize_routing(rows, None, skip, None, scales, by_row, None, drop_pad_mode=2)
     with pytest.raises(ValueError, match="scales"):
