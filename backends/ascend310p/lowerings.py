@@ -91,11 +91,7 @@ def shared_expert_w8a8(x, w1: W8A8, w3: W8A8 | None, w2: W8A8, limit: float):
     """gate/up with fp16 output (INT32 output is refused on 310P, L03), clipped SwiGLU in fp32,
     then the down projection requantises the activation per token. w3 None: w1 holds gate | up (profile
     merged_weights, halves), one GEMM whose output is widened once."""
-    if w3 is None:
-        gate, up = linear_w8a8(x, w1).float().chunk(2, dim=-1)
-    else:
-        gate, up = linear_w8a8(x, w1), linear_w8a8(x, w3)
-    return linear_w8a8(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2)
+    return linear_w8a8(moe.gate_up_swiglu(lambda w: linear_w8a8(x, w), w1, w3, limit).to(DTYPE), w2)
 
 
 def _as_w8a8(w: W8A8 | PackedFP4, quantize) -> W8A8:

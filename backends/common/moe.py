@@ -54,6 +54,15 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
 
 
+def gate_up_swiglu(product, w1, w3, limit: float) -> torch.Tensor:
+    """The clipped SwiGLU of an input's gate and up projections, `product(w)` being one projection of it. w3 None:
+    w1 holds gate | up (profile merged_weights, layout halves), so one product makes both, widened to fp32 once
+    (nothing to widen when it is fp32 already) and split in halves."""
+    if w3 is None:
+        return clipped_swiglu(*product(w1).float().chunk(2, dim=-1), limit)
+    return clipped_swiglu(product(w1), product(w3), limit)
+
+
 def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] bool: rows a grouped matmul actually wrote (before the list's last cumulative end)."""
     return (dense.arange(rows, torch.int64, group_list.device) < group_list[-1])[:, None]
@@ -94,12 +103,10 @@ def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, 
             x.to(dtype), local, active_num=t * k, expert_num=placement.n_local + 1, expert_tokens_num_type=0,
             expert_tokens_num_flag=True)
         group_list = cumsum[:placement.n_local]                    # the dummy slot is not computed
-        if m3 is not None:
-            act = clipped_swiglu(gmm(expanded, m1, group_list), gmm(expanded, m3, group_list), limit).to(dtype)
-        elif merged_swiglu is not None:       # w1 holds gate | up (a backend's merged weights): one GEMM
+        if m3 is None and merged_swiglu is not None:     # w1 holds gate | up in the backend's own layout
             act = merged_swiglu(gmm(expanded, m1, group_list))
-        else:                                 # gate | up halves: widened once, then split
-            act = clipped_swiglu(*gmm(expanded, m1, group_list).float().chunk(2, dim=-1), limit).to(dtype)
+        else:
+            act = gate_up_swiglu(lambda w: gmm(expanded, w, group_list), m1, m3, limit).to(dtype)
         down = gmm(act, m2, group_list)                            # [T*k, d], sorted by local expert
         if zero_tail:                # False only to re-introduce B10 (conformance)
             down = torch.where(valid_rows(group_list, down.shape[0]), down, 0.0)

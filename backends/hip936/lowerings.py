@@ -45,11 +45,7 @@ def shared_expert(x, w1, w3, w2, limit: float):
     """The shared expert with BF16 weights (dequantised once at load, L27, L29). w3 None: w1 holds gate | up
     (profile merged_weights, halves), one GEMM whose output is widened once."""
     x = x.to(DTYPE)
-    if w3 is None:
-        gate, up = matmul(x, w1.t()).float().chunk(2, dim=-1)
-    else:
-        gate, up = matmul(x, w1.t()), matmul(x, w3.t())
-    return matmul(moe.clipped_swiglu(gate, up, limit).to(DTYPE), w2.t())
+    return matmul(moe.gate_up_swiglu(lambda w: matmul(x, w.t()), w1, w3, limit).to(DTYPE), w2.t())
 
 
 _E2M1_PAIRS: dict = {}       # device -> the table below
@@ -116,19 +112,9 @@ def _int8_experts(w: PackedFP4 | W8A8, quantize, experts: torch.Tensor | None = 
     return picked if isinstance(picked, W8A8) else _requant_fp4(picked, quantize)
 
 
-def _swiglu(product, w1, w3, limit: float) -> torch.Tensor:
-    """The clipped SwiGLU of the gate and up products (`product(w)`: fp32 rows). w3 None: w1 holds gate | up
-    (profile merged_weights routed_gate_up, halves), so one product makes both, split in halves; each output
-    column is the same int32 dot product and scaling as the two products would give."""
-    if w3 is None:
-        gate, up = product(w1).chunk(2, dim=-1)
-        return moe.clipped_swiglu(gate, up, limit)
-    return moe.clipped_swiglu(product(w1), product(w3), limit)
-
-
 def _expert(xq, xs, w1, w3, w2, e: int, limit: float):
     """Clipped SwiGLU of int8 tokens through expert `e` of int8 weights (each [E, N, K]; w3 None: w1 is gate | up)."""
-    act = _swiglu(lambda w: _int_matmul(xq, xs, w.qweight[e], w.scale[e]), w1, w3, limit)
+    act = moe.gate_up_swiglu(lambda w: _int_matmul(xq, xs, w.qweight[e], w.scale[e]), w1, w3, limit)
     aq, as_ = _quant_tokens(act)
     return _int_matmul(aq, as_, w2.qweight[e], w2.scale[e])
 
@@ -180,7 +166,7 @@ def _routed_rows(x, ids, w1, w3, w2, placement: ExpertPlacement, limit: float, q
             ps = xs.unsqueeze(1).expand(t, k).reshape(-1)
             remote = placement.n_local < placement.n_experts      # some pairs route to the dummy expert
             g1, g3, g2 = (None if w is None else _int8_experts(w, quantize, local.reshape(-1), remote) for w in mats)
-            act = _swiglu(lambda w: _pair_matmul(pq, ps, w), g1, g3, limit)
+            act = moe.gate_up_swiglu(lambda w: _pair_matmul(pq, ps, w), g1, g3, limit)
             aq, as_ = _quant_tokens(act)
             part = _pair_matmul(aq, as_, g2).view(t, k, -1)
             rows = part if rows is None else rows + part
