@@ -15,9 +15,10 @@ from pathlib import Path
 import jinja2
 
 from codegen.lower import Rewrite, lower
-from spec.config import RankConfig, forward_refusal
+from spec.config import RankConfig
 from spec.fused import describe, unmet
 from spec.graph import GRAPH_PATH, load_graph
+from spec.generations import forward_refusal
 from spec.profile import load_profile, load_runtime_formats, profile_path
 from spec.state import as_python, load_state
 from spec.tables import SPEC_DIR, load_tensor_table
@@ -75,6 +76,7 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "compute_dtype": profile.compute_dtype,
         "cache": profile.cache,
         "ep_dispatch": profile.ep_dispatch.mode,
+        "models": repr(tuple(profile.models)),
         "state": [_state_line(d) for d in load_state(spec_dir / "state.yaml")],
         "imports": lowered.imports,
         "functions": lowered.functions,
@@ -127,9 +129,9 @@ def _fused_rows(profile) -> list[dict]:
     for name, kernel in profile.fused.items():
         per_variant = []
         for variant in variants():
-            # a model no backend runs (V4.1-Flash: spec/config.py UNRUNNABLE) has no rank config and no
-            # graph here, so "fused" / "composite" would mislead: the table lists runnable variants only
-            if forward_refusal(variant_config(variant)) is not None:
+            # a model this backend does not run (V4.1-Flash on a device) has no generated forward here, so
+            # "fused" / "composite" would mislead: the table lists the variants the backend runs only
+            if forward_refusal(variant_config(variant), profile.name) is not None:
                 continue
             failed = unmet(kernel.limits.values(), RankConfig.of(variant_config(variant)))
             per_variant.append((variant, "fused" if not failed else "composite: " + "; ".join(failed)))
@@ -142,7 +144,8 @@ def _state_line(d) -> str:
     """One declared state item as a StateItem(...) expression of the generated package."""
     rows = "None" if d.rows is None else f"lambda cfg, ratio, slack: {as_python(d.rows)}"
     return (f"StateItem({d.name!r}, {d.kinds!r}, {d.lifetime!r}, {rows}, "
-            f"lambda cfg, ratio, slack: {as_python(d.dim)}, {d.dtype!r}{', True' if d.slot0_unused else ''}),")
+            f"lambda cfg, ratio, slack: {as_python(d.dim)}, {d.dtype!r}"
+            f"{', slot0_unused=True' if d.slot0_unused else ''}{', sources_only=True' if d.sources_only else ''}),")
 
 
 def render_into(backend: str, rewrite: Rewrite, folder: Path) -> Path:

@@ -11,15 +11,16 @@ from __future__ import annotations
 import re
 from typing import Mapping, NamedTuple
 
-from spec.graph import BATCH_FIELDS, CACHE_FIELDS, LoadedGraph, Program, Step
+from codegen.layer_kinds import AXES, lacking, layer_param_keys, runtime_key
+from spec.graph import BATCH_FIELDS, CACHE_FIELDS, TAP_OP, LoadedGraph, Program, Step
 from spec.profile import Profile, QuantisedNorm
 from spec.schedule import LayerInfo
 from spec.tables import TensorTable
 from spec.yamlio import SpecError
 
-AXES = {"attention": ("swa", "csa", "hca", "dspark"), "routing": ("hash", "learned")}
 STAGE_REFS = {"first.": "params.drafter[0]", "last.": "params.drafter[-1]"}   # model-scope refs to drafter stages
-WRAP = 112  # generated lines longer than this put one argument per line
+WRAP = 112
+ENTRY_FUNCTIONS = {"model": "forward", "model_v41": "forward_v41"}   # each model generation's forward  # generated lines longer than this put one argument per line
 
 
 class Function(NamedTuple):
@@ -64,46 +65,6 @@ class Lowered(NamedTuple):
     ops: tuple[OpUse, ...]
 
 
-def _runtime_key(key: str) -> str:
-    return key.replace("{expert}.", "")
-
-
-def _combos(kind: dict[str, str]) -> list[tuple[str, str]]:
-    # drafter stages always learn their routing: there is no hash-routed DSpark layer
-    return [(a, r) for a in AXES["attention"] for r in AXES["routing"]
-            if kind.get("attention", a) == a and kind.get("routing", r) == r and (a, r) != ("dspark", "hash")]
-
-
-def _combo_keys(table: TensorTable, attention: str, routing: str) -> set[str]:
-    if attention == "dspark":       # a middle stage: first/last-stage extras are not block-program keys
-        layer = LayerInfo(1, "mtp.1", "dspark", attention, 0, routing, "main", 1, False)
-    else:
-        # a V4 layer of this kind: every compressed layer owns its compressor, every CSA one its indexer
-        layer = LayerInfo(0, "layers.0", "backbone", attention, 4, routing, "main", None, False,
-                          kv_source=attention in ("csa", "hca"), index_source=attention == "csa")
-    stored = {_runtime_key(e.key) for e in table.entries if e.scope == "block" and e.when.matches(layer)}
-    return stored | {d.key for d in table.derived if d.scope == "block" and d.when.matches(layer)}
-
-
-def layer_param_keys(table: TensorTable, kind: dict[str, str], every: bool = True) -> set[str]:
-    """Block parameter keys present in EVERY (or, with every=False, in SOME) backbone layer
-    consistent with `kind`."""
-    sets = [_combo_keys(table, a, r) for a, r in _combos(kind)]
-    return set.intersection(*sets) if every else set.union(*sets)
-
-
-def _lacking(table: TensorTable, kind: dict[str, str], key: str) -> str:
-    """The layer kinds consistent with `kind` that lack parameter `key`, e.g. 'attention=swa'."""
-    lacking = [(a, r) for a, r in _combos(kind) if key not in _combo_keys(table, a, r)]
-    atts = list(dict.fromkeys(a for a, _ in lacking))
-    if all((a, r) in lacking for a in atts for r in AXES["routing"]):
-        return "attention=" + "|".join(atts)
-    routs = list(dict.fromkeys(r for _, r in lacking))
-    if all((a, r) in lacking for a in AXES["attention"] for r in routs):
-        return "routing=" + "|".join(routs)
-    return ", ".join(f"attention={a} routing={r}" for a, r in lacking)
-
-
 class _Lowerer:
     def __init__(self, lg: LoadedGraph, profile: Profile, table: TensorTable, rewrite: Rewrite):
         self.lg, self.profile, self.table, self.rewrite = lg, profile, table, rewrite
@@ -122,7 +83,7 @@ class _Lowerer:
         key = ref[len(stage or "p."):]
         block = scope == "layer" or stage is not None
         classes = {e.tensor_class for e in self.table.entries
-                   if _runtime_key(e.key) == key and (e.scope == "block") == block}
+                   if runtime_key(e.key) == key and (e.scope == "block") == block}
         formats = {self.profile.runtime_format(c) for c in classes}
         if len(formats) != 1:
             raise SpecError(f"{where}: parameter '{key}' has runtime formats {sorted(formats)}; expected exactly one")
@@ -168,7 +129,7 @@ class _Lowerer:
                  | {d.key for d in self.table.derived if d.scope == "model"})
         env = set(prog.inputs)
         body: list[str] = []
-        fname = "forward" if name == "model" else name + "".join(f"_{v}" for v in kind.values())
+        fname = ENTRY_FUNCTIONS.get(name, name + "".join(f"_{v}" for v in kind.values()))
         pairs = self.linear_pairs(name, kind, scope)
         self.check_one_gemm(name, kind, pairs, pkeys)
         norms = self.quantised_norms(name, kind, scope)
@@ -301,10 +262,12 @@ class _Lowerer:
                                     f"(accepted: {', '.join(sorted(self.stage_keys(pre)))})")
                 return f'{record}["{key}"]'
         if ref.startswith("p."):
-            key = ref[2:]
+            key, optional = (ref[2:-1], True) if ref.endswith("?") else (ref[2:], False)
+            if optional and key not in pkeys and scope == "layer" and key in layer_param_keys(self.table, kind, False):
+                return f'lp.get("{key}")'           # a parameter only some layers of this kind have: None elsewhere
             if key not in pkeys:
                 if scope == "layer" and key in layer_param_keys(self.table, {}, every=False):
-                    raise SpecError(f"{where}: parameter '{key}' does not exist in {_lacking(self.table, kind, key)} "
+                    raise SpecError(f"{where}: parameter '{key}' does not exist in {lacking(self.table, kind, key)} "
                                     "layers, which this step runs for (restrict the step with 'when')")
                 raise SpecError(f"{where}: unknown parameter '{key}' (accepted: {', '.join(sorted(pkeys))})")
             return f'lp["{key}"]' if scope == "layer" else f'params.model["{key}"]'
@@ -327,7 +290,7 @@ class _Lowerer:
         stage = 0 if pre == "first." else 2
         layers = (LayerInfo(stage, f"mtp.{stage}", "dspark", "dspark", 0, "learned", "main", stage, stage == 2),
                   LayerInfo(0, "mtp.0", "mtp", "swa", 0, "learned", "main", 0, True))
-        return {_runtime_key(e.key) for e in self.table.entries
+        return {runtime_key(e.key) for e in self.table.entries
                 if e.scope == "block" and any(e.when.matches(layer) for layer in layers)}
 
     def callee(self, program: str) -> str:
@@ -347,13 +310,15 @@ class _Lowerer:
         x = step.out[0]
         tap = [] if step.tap is None else [
             f"    if layer.index in ({step.tap_layers}):",
-            f"        {step.tap}.append({self.call('stream_mean')}({x}))"]
+            f"        {step.tap}.append({self.call(TAP_OP)}({x}))"]
         head = [] if step.tap is None else [f"{step.tap} = []"]
+        before, after = (tap, []) if step.tap_input else ([], tap)
         return [*head, "new_caches = []",
                 f"for layer, lp, cache in zip(params.{step.loop}_layers, {records}, {caches}):",
+                *before,
                 *("    " + line for line in _assign(step.out[:-1] + ("cache",), f"{self.callee(step.call)}(", call_args)),
                 "    new_caches.append(cache)",
-                *tap,
+                *after,
                 f"{step.out[-1]} = tuple(new_caches)"]
 
     def results(self, prog: Program, env: set[str], name: str) -> list[str]:
@@ -386,6 +351,8 @@ def lower(lg: LoadedGraph, profile: Profile, table: TensorTable, rewrite: Rewrit
     lw = _Lowerer(lg, profile, table, rewrite)
     functions, dispatch = [], []
     for name, prog in lg.graph.programs.items():
+        if not set(prog.models) & set(profile.models):
+            continue                         # a model generation this backend does not run
         if prog.variants is None:
             functions.append(lw.lower_program(name, {}))
             continue

@@ -127,25 +127,6 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 
 CONFIG_KEYS = frozenset(f.name for f in msgspec.structs.fields(ModelConfig))
 
-# The model generations whose forward no backend runs yet: the spec describes their checkpoint
-# (config, schedule, tensor inventory), but the graph, the generated code and the loaders are V4's.
-UNRUNNABLE = {"deepseek_v41": "DeepSeek-V4.1-Flash"}
-
-
-def forward_refusal(cfg: ModelConfig) -> str | None:
-    """Why no backend can run this config's forward (None: it can)."""
-    name = UNRUNNABLE.get(cfg.model_type)
-    if name is None:
-        return None
-    return f"{name}: the spec counts its tensors, but no backend runs its forward yet"
-
-
-def require_runnable(cfg: ModelConfig, where: str = "") -> None:
-    reason = forward_refusal(cfg)
-    if reason is not None:
-        raise SpecError(f"{where}: {reason}" if where else reason)
-
-
 class RankConfig(ModelConfig, frozen=True, kw_only=True):
     """The config one tensor/expert-parallel rank's generated code reads: every model key, plus where
     this rank sits. Graph attrs read `cfg.tp_size` (local head and group counts) and pass
@@ -162,8 +143,6 @@ class RankConfig(ModelConfig, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, cfg: ModelConfig, **rank) -> "RankConfig":
-        # the config generated code runs with: refuse a model no backend's graph describes
-        require_runnable(cfg)
         return cls(**{f: getattr(cfg, f) for f in CONFIG_KEYS}, **rank)
 
 

@@ -15,14 +15,15 @@ from typing import Literal
 import msgspec
 
 from spec.config import CONFIG_KEYS, RANK_KEYS
-from spec.schedule import Attention, LayerInfo
+from spec.schedule import Attention, KVRole, LayerInfo
 from spec.tables import SPEC_DIR
 from spec.yamlio import SpecError, decode, load_yaml
 
 GRAPH_PATH = SPEC_DIR / "graph.yaml"
-BATCH_FIELDS = ("tokens", "positions", "logit_rows")
+BATCH_FIELDS = ("tokens", "positions", "logit_rows", "engram_ids")
 CACHE_FIELDS = ("window", "comp", "index")
 ATTR_ROOTS = ("cfg", "layer", "rope")
+TAP_OP = "stream_mean"      # the op a loop step's `tap` calls on each tapped block's streams
 
 
 class OpDef(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -35,12 +36,17 @@ class OpDef(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dispatch_on: str | None = None      # input port whose runtime format selects the lowering
 
 
+VARIANT_AXES = ("attention", "routing", "kv_role", "engram_kind")   # LayerInfo fields a program may vary on
+
+
 class StepWhen(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     attention: tuple[Attention, ...] | None = None
     routing: tuple[Literal["hash", "learned"], ...] | None = None
+    kv_role: tuple[KVRole, ...] | None = None                          # V4.1 attention
+    engram_kind: tuple[Literal["plain", "engram"], ...] | None = None  # V4.1 blocks
 
     def matches(self, kind: dict[str, str]) -> bool:
-        for axis in ("attention", "routing"):
+        for axis in VARIANT_AXES:
             allowed = getattr(self, axis)
             if allowed is not None and axis in kind and kind[axis] not in allowed:
                 return False
@@ -59,6 +65,7 @@ class Step(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # (a cfg expression) into the list named by `tap` (DSpark context features, §5.2)
     tap: str | None = None
     tap_layers: str | None = None
+    tap_input: bool = False             # tap a block's input instead of its output (V4.1's DSpark taps)
 
 
 class Program(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -67,8 +74,11 @@ class Program(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     inputs: tuple[str, ...]
     steps: tuple[Step, ...]
     returns: tuple[str, ...]
-    variants: Literal["attention", "routing"] | None = None
+    variants: Literal["attention", "routing", "kv_role", "engram_kind"] | None = None
     updates: dict[str, str] = {}
+    # the model generations (config model_type) whose forward runs it; a backend generates the programs of the
+    # generations its profile runs (spec/profile.py `models`)
+    models: tuple[Literal["deepseek_v4", "deepseek_v41"], ...] = ("deepseek_v4",)
 
     def n_results(self) -> int:
         return len(self.returns) + (1 if self.updates else 0)
@@ -91,6 +101,13 @@ class LoadedGraph(msgspec.Struct, frozen=True):
         return f"{self.path}:{self.step_line(program, index)}"
 
 
+def program_ops(g: Graph, models) -> set[str]:
+    """The ops the programs of these model generations (config model_type) run: what a backend that runs
+    them must lower."""
+    steps = [step for prog in g.programs.values() if set(prog.models) & set(models) for step in prog.steps]
+    return {step.op for step in steps if step.op is not None} | {TAP_OP for step in steps if step.tap is not None}
+
+
 @functools.lru_cache(maxsize=None)
 def load_graph(path: Path = GRAPH_PATH) -> LoadedGraph:
     data, lines = load_yaml(path)
@@ -106,7 +123,7 @@ def check_graph(lg: LoadedGraph) -> None:
             raise SpecError(f"{lg.path}:{lg.lines[('ops', name)]}: op '{name}' dispatches on '{op.dispatch_on}', "
                             f"which is not one of its inputs ({', '.join(op.inputs)})")
     for name, prog in g.programs.items():
-        if prog.variants == "attention" and prog.params != "layer":
+        if prog.variants is not None and prog.params != "layer":
             raise SpecError(f"{lg.path}:{lg.lines[('programs', name)]}: program '{name}' has variants but no layer")
         for i, step in enumerate(prog.steps):
             where = lg.where(name, i)

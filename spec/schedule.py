@@ -22,6 +22,7 @@ Attention = Literal["swa", "csa", "hca", "dspark", "csa2", "csa1"]
 # of a step's completed entries a compressor reads.
 COMPRESS_TABLE = "compress"
 Role = Literal["backbone", "mtp", "dspark"]
+KVRole = Literal["swa", "source", "reindex", "reuse"]
 
 
 class LayerInfo(NamedTuple):
@@ -41,6 +42,21 @@ class LayerInfo(NamedTuple):
     index_source: bool = False
     candidate_source: bool = False     # V4.1: writes the candidate blocks reindex layers search
     engram: bool = False               # V4.1: an Engram table is read before this block
+
+    # V4.1's generated attention and block programs are chosen by these (spec/graph.yaml `variants`)
+    @property
+    def kv_role(self) -> KVRole:
+        """What a layer does with the shared compressed KV: none (swa), makes it and its index keys (source),
+        scores it with its own indexer (reindex), or reads what the latest ones chose (reuse)."""
+        if self.ratio == 0:
+            return "swa"
+        if self.kv_source:
+            return "source"
+        return "reindex" if self.index_source else "reuse"
+
+    @property
+    def engram_kind(self) -> Literal["plain", "engram"]:
+        return "engram" if self.engram else "plain"
 
 
 def attention_kind(ratio: int, role: Role = "backbone", shared_kv: bool = False) -> Attention:

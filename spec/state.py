@@ -14,7 +14,7 @@ from spec.config import ModelConfig
 from spec.yamlio import load_yaml
 
 STATE_FILE = Path(__file__).with_name("state.yaml")
-KINDS = ("swa", "csa", "hca", "dspark")
+KINDS = ("swa", "csa", "hca", "dspark", "csa2", "csa1")
 LIFETIMES = ("sequence", "entry")
 DTYPES = ("compute", "float32")
 # names an expression may read beyond the config's integer fields
@@ -30,6 +30,7 @@ class Declared(NamedTuple):
     dtype: str                 # "compute" | "float32"
     why: str
     slot0_unused: bool = False  # (sequence lifetime) one more slot, slot 0, never read or written
+    sources_only: bool = False  # kept only by the layers that make the compressed KV (LayerInfo.kv_source)
 
 
 def _config_names() -> set[str]:
@@ -48,10 +49,13 @@ def load_state(path: Path = STATE_FILE) -> tuple[Declared, ...]:
         missing = {"name", "kinds", "lifetime", "dim", "dtype", "why"} - set(item)
         if missing:
             raise ValueError(f"{where}: missing {', '.join(sorted(missing))}")
-        unknown = set(item) - {"name", "kinds", "lifetime", "rows", "dim", "dtype", "why", "slot0_unused"}
+        unknown = set(item) - {"name", "kinds", "lifetime", "rows", "dim", "dtype", "why", "slot0_unused",
+                               "sources_only"}
         if unknown:
             raise ValueError(f"{where}: unknown key {', '.join(sorted(unknown))}")
-        spare = item.get("slot0_unused", False)
+        spare, sources = item.get("slot0_unused", False), item.get("sources_only", False)
+        if not isinstance(sources, bool):
+            raise ValueError(f"{where}: sources_only is true or false")
         if not isinstance(spare, bool) or (spare and item["lifetime"] != "sequence"):
             raise ValueError(f"{where}: slot0_unused is true or false, and true only for sequence lifetime")
         bad = [k for k in item["kinds"] if k not in KINDS]
@@ -73,7 +77,7 @@ def load_state(path: Path = STATE_FILE) -> tuple[Declared, ...]:
                 raise ValueError(f"{where}: '{item['name']}' is declared twice for layer kind '{kind}'")
             seen.add((item["name"], kind))
         out.append(Declared(item["name"], tuple(item["kinds"]), item["lifetime"], None if rows is None else str(rows),
-                            str(item["dim"]), item["dtype"], item["why"], spare))
+                            str(item["dim"]), item["dtype"], item["why"], spare, sources))
     return tuple(out)
 
 

@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="tiny", help="tiny (default) or tiny-long (window 128, compress ratios 4 / 128)")
     s.add_argument("--variant", default="tiny",
                    help="model variant at tiny widths: tiny (default; Flash's schedule), pro-tiny (Pro's) or "
-                        "v41-tiny (DeepSeek-V4.1's; no backend runs its forward yet)")
+                        "v41-tiny (DeepSeek-V4.1's; the cpu reference runs its backbone)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (JSON value)")
     s.add_argument("--shards", type=int, default=4)
     s.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")

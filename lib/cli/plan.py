@@ -130,7 +130,7 @@ def cmd_plan(args) -> int:
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
                          f"`--backend all` is for --ops")
-    # a model no backend runs (V4.1-Flash) is planned for memory only, and the plan says so
+    # a model the backend does not run (V4.1-Flash on a device) is planned for memory only, and the plan says so
     devices = _devices(args)
     d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
@@ -351,7 +351,7 @@ def _speed(p) -> list[str]:
     s, dev = p.speed, p.device
     if s is None:
         return ["decode step: not predicted (planning only: the recorded launch counts are V4-Flash's generated "
-                "code, and no backend runs this model's forward)"]
+                "code, and this backend does not run this model's forward)"]
     mode = (f"captured: {dev.graph_launch_s.value * 1e6:g} us a kernel in a replayed graph" if p.graph_mode
             else f"eager: {dev.launch_latency_s.value * 1e6:g} us a launch")
     out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives; "

@@ -18,7 +18,7 @@ from lib.planner import memory as plan_memory
 from lib.planner import speed as plan_speed
 from lib.planner.memory import Deployment
 from lib.planner.shared_kv_layout import SharedKVLayout, shared_kv_layout
-from spec.config import forward_refusal
+from spec.generations import forward_refusal
 from spec.schedule import drafter_kind
 from spec.variants import variant_config
 
@@ -41,7 +41,7 @@ class Plan(NamedTuple):
     captured: plan_speed.SpeedPlan | None = None   # the step replayed as one captured graph (None: no capture)
     graph_mode: bool = False
     runtime_refusal: str | None = None              # why the runtime cannot launch this layout (None: it can)
-    # the model no backend runs (V4.1): memory only, no decode step (its launch counts are V4's)
+    # a model the backend does not run (V4.1 on a device): memory only, no decode step (its launch counts are V4's)
     model_refusal: str | None = None
     host: tuple[plan_memory.HostTables, ...] = ()   # tensors held in host memory (V4.1's Engram tables)
 
@@ -117,7 +117,7 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     pool = d.kv_cache_bytes if d.kv_cache_bytes is not None else budget - weights.rollup()["total"] - workspace - reserve
     cfg = variant_config(d.variant)
     speculative = d.speculative and drafter_kind(cfg) != "none"
-    model_refusal = forward_refusal(cfg)
+    model_refusal = forward_refusal(cfg, d.backend)
     if cfg.kv_source_layer_ids is not None:     # V4.1's shared KV: spec/shared_kv.yaml's formats, not STATE
         layout = shared_kv_layout(d.backend, cfg, speculative, d.max_num_seqs, plan_cache.slack_of(cfg, speculative))
     else:
@@ -211,7 +211,7 @@ def as_json(p: Plan) -> dict:
         "preconverted_checkpoint_shards": p.preconverted.shards_per_rank * p.preconverted.ranks,
         "convert_output_bytes": p.preconverted.convert_output_bytes,
     }
-    if s is None:           # a model no backend runs (V4.1): no decode step is predicted
+    if s is None:           # a model the backend does not run (V4.1 on a device): no decode step is predicted
         return {**out, "decode_step_seconds": None, "tokens_per_second": None}
     return {**out,
             "decode_step_seconds": {"context": s.context, "plain": s.plain.seconds, "dspark_round": s.round_s,

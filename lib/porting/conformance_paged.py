@@ -156,7 +156,7 @@ def copy_pools(pools: LayerPools, state=(), kind: str = "", dtype: torch.dtype |
         return t.to(dtype if name in compute else t.dtype, copy=True)
 
     def comp(prefix: str, c: CompressorPools | None) -> CompressorPools | None:
-        return None if c is None else CompressorPools(cast(f"{prefix}.state", c.state),
+        return None if c is None else CompressorPools(None if c.state is None else cast(f"{prefix}.state", c.state),
                                                       cast(f"{prefix}.entries", c.entries), c.ratio)
     window = None if pools.window is None else cast("window", pools.window)
     return LayerPools(window, comp("comp", pools.comp), comp("index", pools.index))

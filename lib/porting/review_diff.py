@@ -14,7 +14,7 @@ from pathlib import Path
 
 from codegen.build import render
 from spec.fused import describe
-from spec.graph import load_graph
+from spec.graph import load_graph, program_ops
 from spec.profile import Profile, load_profile
 from spec.config import ModelConfig
 from spec.tables import expand, load_quant, load_tensor_table
@@ -24,7 +24,7 @@ from spec.yamlio import SpecError
 
 def _lowering_rows(profile: Profile) -> dict[str, str]:
     rows = {}
-    for op in load_graph().graph.ops:
+    for op in sorted(program_ops(load_graph().graph, profile.models)):     # the ops of the models it runs
         entry = profile.ops.get(op)
         ways = entry.by_format.items() if entry is not None and entry.by_format else [("", profile.lowering(op))]
         for fmt, low in ways:

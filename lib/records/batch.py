@@ -22,6 +22,7 @@ class Batch(NamedTuple):
     starts: tuple[int, ...]     # cached tokens per sequence before this step
     logit_rows: torch.Tensor | None = None   # [R] rows whose logits to compute; None = every row
     state: Addressing | None = None          # where the sequences' decode state lives (PagedCache.address)
+    engram_ids: torch.Tensor | None = None   # [T, Engram layers, C] int64 hash ids (V4.1; PagedCache.address)
 
 
 def make_batch(chunks: list[list[int]], starts: list[int] | None = None, last_only: bool = False) -> Batch:

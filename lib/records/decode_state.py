@@ -22,14 +22,16 @@ class StateItem(NamedTuple):
     dim: Callable[..., int]                     # (cfg, ratio, slack) -> row width
     dtype: str                                  # "compute" | "float32"
     slot0_unused: bool = False                  # the pool has one more slot, slot 0, never read or written
+    sources_only: bool = False                  # kept only by layers that make the compressed KV (kv_source)
 
 
 class CompressorPools(NamedTuple):
     """One compressor's state in one layer: its ring of per-position projections and its entries.
     The ring keeps A and Z + ape of a position side by side in one row, as vllm-ascend's fused
     compressor reads and writes its state (ascend910); `kv` and `gate` are the two halves as views."""
-    state: torch.Tensor      # [max_seqs + 2, R, 2C] fp32 rows A | Z + ape; slot 0 unused, sequence slot s at s + 1,
-                             # position p in row p % R
+    state: torch.Tensor | None  # [max_seqs + 2, R, 2C] fp32 rows A | Z + ape; slot 0 unused, sequence slot s at s + 1,
+                                # position p in row p % R; None where nothing is pooled across steps (V4.1's
+                                # index keys, its ratio-1 source)
     entries: torch.Tensor    # [blocks * block_tokens, Dc] compressed entries, by the block table of `ratio`
     ratio: int
 
@@ -51,5 +53,7 @@ class LayerPools(NamedTuple):
     index: CompressorPools | None       # CSA layers: the indexer's compressor and keys
 
 
-def items_for(state: tuple[StateItem, ...], kind: str) -> tuple[StateItem, ...]:
-    return tuple(item for item in state if kind in item.kinds)
+def items_for(state: tuple[StateItem, ...], kind: str, kv_source: bool = True) -> tuple[StateItem, ...]:
+    """The items a layer of attention kind `kind` keeps; `kv_source`: whether it makes the compressed KV (a V4.1
+    layer after a source keeps none of the source's items, it reads the source's)."""
+    return tuple(item for item in state if kind in item.kinds and (kv_source or not item.sources_only))

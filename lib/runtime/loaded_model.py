@@ -21,8 +21,10 @@ from lib.emulation.relaxed import widths_relaxed
 from lib.weights.checkpoint import Checkpoint
 from lib.distributed.process_group import SINGLE, Parallel, check_sizes
 from lib.weights.params import LoadOptions
+from lib.runtime.engram_ids import engram_hashing
 from lib.runtime.rope_tables import rope_tables
 from spec.config import RankConfig
+from spec.yamlio import SpecError
 from spec.fused import chosen
 from spec.schedule import LayerInfo, drafter_kind
 
@@ -36,6 +38,7 @@ class BackendFacts(NamedTuple):
     ep_dispatch: str                 # default EP token exchange: "allgather" | "alltoall"
     fused: dict = {}                 # fused kernel name -> its shape limits (profile `fused`, spec/fused.py)
     ring_rows_multiple: int = 1      # ring pools get a multiple of this many rows (profile cache)
+    models: tuple = ("deepseek_v4",) # the model generations (config model_type) the generated code runs
 
 
 class Model(NamedTuple):
@@ -49,6 +52,7 @@ class Model(NamedTuple):
     drafter_kind: str                # "dspark" | "mtp" | "none", from the checkpoint's schedule
     module: Any = None               # the backend's generated model module (drafter programs live there)
     state: tuple = ()                # the decode-state declaration (StateItem records, generated STATE)
+    engram: Any = None               # V4.1's Engram hashing (lib/runtime/engram_ids.py); None without Engram layers
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -81,7 +85,7 @@ class Generated(NamedTuple):
     def facts(self) -> BackendFacts:
         p = self.package
         return BackendFacts(getattr(torch, p.COMPUTE_DTYPE), p.CACHE_BLOCK_TOKENS, p.CACHE_LOGICAL_BLOCK_TOKENS,
-                            p.EP_DISPATCH, dict(p.FUSED), p.CACHE_RING_ROWS_MULTIPLE)
+                            p.EP_DISPATCH, dict(p.FUSED), p.CACHE_RING_ROWS_MULTIPLE, p.MODELS)
 
 
 def generated(backend: str) -> Generated:
@@ -125,6 +129,10 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     code = code or generated(backend)
     facts = code.facts
     ckpt = Checkpoint(path)
+    if ckpt.config.model_type not in facts.models:     # a generation this backend's code has no forward of
+        from spec.generations import forward_refusal
+
+        raise SpecError(f"{path}: {forward_refusal(ckpt.config, backend)}")
     if parallel.world > 1:
         check_sizes(ckpt.config, parallel.tp_size, parallel.ep_size)
         options = options._replace(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
@@ -136,5 +144,11 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     choose = options.faults.fused_choice or chosen
     cfg = msgspec.structs.replace(cfg, fused=choose(facts.fused, cfg, relax_widths=widths_relaxed()))
     params = code.loader.load(ckpt, progress=progress, options=options)
-    return Model(backend, cfg, params, rope_tables(ckpt.config), code.model.forward, Path(path), facts,
-                 drafter_kind(ckpt.config), code.model, code.state)
+    forward = getattr(code.model, FORWARDS.get(ckpt.config.model_type, "forward"))
+    return Model(backend, cfg, params, rope_tables(ckpt.config), forward, Path(path), facts,
+                 drafter_kind(ckpt.config), code.model, code.state, engram_hashing(ckpt.config, Path(path)))
+
+
+# each model generation's generated forward (codegen/lower.py ENTRY_FUNCTIONS)
+FORWARDS = {"deepseek_v4": "forward", "deepseek_v41": "forward_v41"}
+

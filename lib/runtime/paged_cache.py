@@ -19,6 +19,7 @@ from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSit
 from lib.records.batch import Batch, positions_of
 from lib.records.decode_state import CompressorPools, LayerPools
 from lib.runtime.block_allocator import BlockAllocator
+from lib.runtime.engram_ids import Tail, as_tensor, step_ids
 from lib.runtime.hostmem import mapped_zeros
 from lib.runtime.state_pools import entry_ratios, group_blocks, pool_shapes
 
@@ -33,6 +34,7 @@ class _Seq:
     tables: dict[int, list[int]] = field(default_factory=dict)   # ratio -> logical block ids
     length: int = 0         # committed positions
     written: int = 0        # end of the last write; [length, written) are uncommitted
+    engram: Tail = Tail(0, ())   # compressed ids of the last written positions (a model with Engram layers)
 
 
 class PagedCache:
@@ -49,6 +51,7 @@ class PagedCache:
             raise ValueError(f"a paged cache needs max_seqs, num_blocks and slack >= 1 (got {max_seqs}, "
                              f"{num_blocks}, {slack})")
         self.cfg, self.sites, self.max_seqs, self.slack, self.num_blocks = model.cfg, sites, max_seqs, slack, num_blocks
+        self.engram = getattr(model, "engram", None)      # V4.1's Engram hashing (lib/runtime/engram_ids.py)
         facts = model.facts
         self.block_tokens, self.logical_block_tokens = facts.block_tokens, facts.logical_block_tokens
         self.factor = self.block_tokens // self.logical_block_tokens
@@ -63,7 +66,7 @@ class PagedCache:
         self.device = device
         tensors = {(s.owner, s.item): mapped_zeros(s.shape, s.dtype, device) for s in self.shapes}
         self._layer_infos = tuple(model.layers)
-        self.layers = tuple(_layer_pools(tensors, f"layer{layer.index}", layer.ratio) for layer in model.layers)
+        self.layers = _backbone_pools(tensors, model.layers)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
                            for layer in (model.stages if rings else ()))
         # the ring sizes a step's rows are built for (lib/records/addressing.py with_step_rows): every
@@ -179,9 +182,11 @@ class PagedCache:
         ends = [s + n for s, n in zip(batch.starts, batch.seq_lens)]
         if any(self._needed(seq, end)[m] for seq, end in zip(seqs, ends) for m in self.ratios):
             raise ValueError("positions of this batch are not allocated; ensure() them first")
+        engram = self._engram_ids(batch, seqs, shape)
         if shape is not None:
             _check_fits(batch, ends, shape)
             batch = _padded(batch, shape)
+        batch = batch._replace(engram_ids=engram)
         lens, starts = batch.seq_lens, batch.starts
         pad = len(lens) - len(seqs)
         all_ends = [s + n for s, n in zip(starts, lens)]
@@ -203,7 +208,24 @@ class PagedCache:
                            self.block_tokens, self.logical_block_tokens, self.sites,
                            max_len=max(all_ends) if shape is None else shape.max_len, step_tokens=max(lens))
         state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window, **self._step_geometry)
-        return batch._replace(state=state if self.device is None else state.to(self.device))
+        if self.device is None:
+            return batch._replace(state=state)
+        ids = batch.engram_ids
+        return batch._replace(state=state.to(self.device), engram_ids=None if ids is None else ids.to(self.device))
+
+    def _engram_ids(self, batch: Batch, seqs: list[_Seq], shape: StepShape | None) -> torch.Tensor | None:
+        """The batch's Engram hash ids (None without Engram layers), each sequence hashed after its committed
+        positions; keeps each sequence's last ids for its next step."""
+        if self.engram is None:
+            return None
+        keep = self.engram.params.window + self.slack
+        tokens, lo, parts = batch.tokens.tolist(), 0, []
+        for seq, start, n in zip(seqs, batch.starts, batch.seq_lens):
+            ids, seq.engram = step_ids(self.engram, seq.engram, start, tokens[lo:lo + n], keep)
+            parts.append(ids)
+            lo += n
+        pad = 0 if shape is None else shape.seqs * shape.tokens - lo
+        return as_tensor(parts, pad, self.engram.params.shape_tail)
 
     def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int],
                       pad_to: int | None = None) -> EntryWrites:
@@ -266,15 +288,18 @@ class PagedCache:
         rejected positions left no trace."""
         seq = self._seq(seq_id)
         length, window, out = seq.length, self.cfg.sliding_window, {}
+        owns = {f"layer{layer.index}": layer.kv_source for layer in self._layer_infos} | {
+            f"stage{stage}": False for stage in range(len(self.rings))}
         for owner, pools, ratio, overlap in self._owners():
             if pools.window is not None:
                 out[f"{owner}.window"] = _ring_read(pools.window, seq.slot, max(0, length - window), length)
             for name, comp in (("comp", pools.comp), ("index", pools.index)):
-                if comp is None:
+                if comp is None or not owns[owner]:        # a V4.1 layer reading its source's pools: listed there
                     continue
                 lo = max(0, length // ratio * ratio - (ratio if overlap else 0))
-                out[f"{owner}.{name}.kv"] = _ring_read(comp.kv, seq.slot, lo, length)
-                out[f"{owner}.{name}.gate"] = _ring_read(comp.gate, seq.slot, lo, length)
+                if comp.state is not None:
+                    out[f"{owner}.{name}.kv"] = _ring_read(comp.kv, seq.slot, lo, length)
+                    out[f"{owner}.{name}.gate"] = _ring_read(comp.gate, seq.slot, lo, length)
                 ids = torch.arange(length // ratio, dtype=torch.int64)
                 table = torch.tensor([seq.tables[ratio]], dtype=torch.int32)
                 rows = self.sites.physical_slots(table, torch.zeros_like(ids), ids, self.block_tokens,
@@ -351,5 +376,20 @@ def _layer_pools(tensors: dict, owner: str, ratio: int) -> LayerPools:
     def compressor(prefix: str) -> CompressorPools | None:
         if (owner, f"{prefix}.entries") not in tensors:
             return None
-        return CompressorPools(tensors[(owner, f"{prefix}.state")], tensors[(owner, f"{prefix}.entries")], ratio)
+        return CompressorPools(tensors.get((owner, f"{prefix}.state")), tensors[(owner, f"{prefix}.entries")], ratio)
     return LayerPools(tensors.get((owner, "window")), compressor("comp"), compressor("index"))
+
+
+def _backbone_pools(tensors: dict, layers) -> tuple[LayerPools, ...]:
+    """Every backbone layer's pools; a compressed layer that makes no KV of its own (V4.1, after a KV source) gets
+    its own window with the latest source's compressor and key pools: the same tensors, so it reads what the
+    source wrote this step (V41-REFERENCE §3.5)."""
+    out, source = [], None
+    for layer in layers:
+        pools = _layer_pools(tensors, f"layer{layer.index}", layer.ratio)
+        if layer.kv_source:
+            source = pools
+        elif layer.ratio and source is not None:
+            pools = pools._replace(comp=source.comp, index=source.index)
+        out.append(pools)
+    return tuple(out)

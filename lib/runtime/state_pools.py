@@ -51,7 +51,7 @@ def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block
     out = []
     owners = [(f"layer{layer.index}", layer) for layer in layers] + [(f"stage{layer.stage}", layer) for layer in stages]
     for owner, layer in owners:
-        for item in items_for(state, layer.attention):
+        for item in items_for(state, layer.attention, layer.kv_source):
             dtype = compute_dtype if item.dtype == "compute" else getattr(torch, item.dtype)
             dim = item.dim(cfg, layer.ratio, slack)
             if item.lifetime == "sequence":

@@ -45,6 +45,14 @@ class EngramShard(NamedTuple):
         return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
 
 
+def to_fp8_rows(storage: str, parts: dict[str, torch.Tensor], cfg) -> EngramShard:
+    """Runtime format `fp8_rows` (spec/runtime.yaml): a table as stored, all of its rows in one shard."""
+    if storage != "fp8_row32":
+        raise ValueError(f"runtime format fp8_rows holds an fp8_row32 Engram table, not {storage}")
+    weight = parts["weight"].contiguous()
+    return EngramShard(weight, parts["scale"].contiguous(), 0, weight.shape[0])
+
+
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     """[start, stop) of `rank`'s contiguous block of ceil(rows / world) rows (the last block may be short)."""
     if not 0 <= rank < world:

@@ -1,5 +1,5 @@
 """`dsv4gen plan --variant v41-flash`: DeepSeek-V4.1-Flash on 8 Ascend 910 dies, TP8 / EP8, W4A8 routed
-experts, Engram tables in host memory: PLANNING ONLY (no backend runs V4.1's forward).
+experts, Engram tables in host memory: PLANNING ONLY (no device backend runs V4.1's forward).
 
 The per-token KV bytes are derived here from the spec's schedule (which layers are KV sources, their
 compress ratios) and the cache formats of V4.1's own code, not read back from the planner:
@@ -117,4 +117,4 @@ def test_plan_says_planning_only(capsys):
     assert "decode step: not predicted" in out
     plan = plan_json(capsys)
     assert plan["layout"]["launchable"] is False and plan["decode_step_seconds"] is None
-    assert "no backend runs its forward yet" in plan["layout"]["planning_only_model"]
+    assert "backend ascend910 does not run its forward yet" in plan["layout"]["planning_only_model"]

@@ -77,13 +77,14 @@ def test_graph_step_unknown_key(tmp_path):
     p = graph(tmp_path, POST_STEP, POST_STEP.replace("args:", "arg:"))
     assert error_of(load_graph, p) == (
         f"{p}:{line(p, '{op: hc_post, arg:')}: unknown key 'arg' (accepted: op, call, loop, args, attrs, out, when, tap, "
-        "tap_layers) at 'programs.block.steps.3.arg'")
+        "tap_layers, tap_input) at 'programs.block.steps.3.arg'")
 
 
 def test_graph_unknown_program(tmp_path):
     p = graph(tmp_path, "{call: ffn, args", "{call: fnn, args")
     assert error_of(load_graph, p) == (
-        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, block, draft, draft_context, ffn, model, mtp_draft, ring_entry)")
+        f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, attention_v41, block, block_v41, "
+        "draft, draft_context, ffn, model, model_v41, mtp_draft, ring_entry)")
 
 
 def test_graph_reads_value_defined_later(tmp_path):

@@ -54,3 +54,11 @@ def engram_inject(x: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weig
     if mask is not None:
         g = g * mask.to(wide.dtype).unsqueeze(-1)
     return (xw + g.unsqueeze(-1) * value.unsqueeze(1)).float()
+
+
+def engram(x: torch.Tensor, ids: torch.Tensor, table: EngramShard, wkv: torch.Tensor, q_weight: torch.Tensor,
+           k_weight: torch.Tensor, *, layer_index: int, layer_ids, eps: float) -> torch.Tensor:
+    """The graph's `engram` op: the hash ids of this layer (its column of the batch's engram_ids [T, L, C]) pick
+    its table's rows, injected into the streams X [T, n, D]."""
+    slot = list(layer_ids).index(layer_index)
+    return engram_inject(x, table.lookup(ids[:, slot]), wkv, q_weight, k_weight, eps)

@@ -55,6 +55,26 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return u.float(), post.float(), comb.float()
 
 
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           iters: int, norm_eps: float, hc_eps: float):
+    """X [T, n, d] -> (pre [T, n], post [T, n], comb [T, n, n]): V4.1's coefficients, the streams left as they are
+    (V41-REFERENCE §3.1: a sub-layer's input is collapsed with the previous sub-layer's pre, hc_collapse)."""
+    pre, post, comb = hc_coefficients(x, fn, base, scale, iters, norm_eps, hc_eps)
+    return pre.float(), post.float(), comb.float()
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i X_i: X [T, n, d], pre [T, n] -> [T, d]."""
+    return (pre.to(wide.dtype).unsqueeze(-1) * x.to(wide.dtype)).sum(dim=1).float()
+
+
+def hc_first_pre(x: torch.Tensor) -> torch.Tensor:
+    """[T, n]: one-hot on stream 0, what V4.1's layer 0 collapses its streams (all equal there) with."""
+    pre = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    pre[:, 0] = 1.0
+    return pre
+
+
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_k <- post_k * y + sum_j comb[j, k] X_j (the residual mix contracts comb's FIRST index)."""
     mixed = torch.einsum("tjk,tjd->tkd", comb.to(wide.dtype), x.to(wide.dtype))
