@@ -12,7 +12,7 @@ from spec.schedule import LayerInfo
 from spec.tables import TensorTable
 
 AXES = {"attention": ("swa", "csa", "hca", "dspark"), "routing": ("hash", "learned"),
-        "kv_role": ("swa", "source", "reindex", "reuse"), "engram_kind": ("plain", "engram")}
+        "kv_role": ("swa", "source", "reindex", "reuse", "dspark"), "engram_kind": ("plain", "engram")}
 V41_AXES = ("kv_role", "engram_kind")   # the axes of V4.1's own programs
 
 
@@ -39,7 +39,10 @@ def _v41_examples(kind: dict[str, str]) -> list[LayerInfo]:
              "source": lambda: layer("csa2", 2, kv_source=True, index_source=True)
              + layer("csa1", 1, kv_source=True, index_source=True, candidate_source=True),
              "reindex": lambda: layer("csa1", 1, index_source=True),
-             "reuse": lambda: layer("csa2", 2) + layer("csa1", 1)}
+             "reuse": lambda: layer("csa2", 2) + layer("csa1", 1),
+             # a middle DSpark stage (no Engram; the first / last stages' extras are not block-program keys)
+             "dspark": lambda: [LayerInfo(1, "mtp.1", "dspark", "dspark", 0, "learned", "main", 1, False)]
+             if kind.get("routing", "learned") == "learned" and kind.get("engram_kind", "plain") == "plain" else []}
     return [x for role, make in roles.items() if kind.get("kv_role", role) == role for x in make()]
 
 

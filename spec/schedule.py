@@ -22,7 +22,7 @@ Attention = Literal["swa", "csa", "hca", "dspark", "csa2", "csa1"]
 # of a step's completed entries a compressor reads.
 COMPRESS_TABLE = "compress"
 Role = Literal["backbone", "mtp", "dspark"]
-KVRole = Literal["swa", "source", "reindex", "reuse"]
+KVRole = Literal["swa", "source", "reindex", "reuse", "dspark"]
 
 
 class LayerInfo(NamedTuple):
@@ -47,7 +47,10 @@ class LayerInfo(NamedTuple):
     @property
     def kv_role(self) -> KVRole:
         """What a layer does with the shared compressed KV: none (swa), makes it and its index keys (source),
-        scores it with its own indexer (reindex), or reads what the latest ones chose (reuse)."""
+        scores it with its own indexer (reindex), or reads what the latest ones chose (reuse); a DSpark stage
+        attends its context ring instead."""
+        if self.role == "dspark":
+            return "dspark"
         if self.ratio == 0:
             return "swa"
         if self.kv_source:

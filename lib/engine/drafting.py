@@ -64,6 +64,15 @@ def drafts_per_round(model: Model, method: str | None, requested: int | None) ->
     return requested or block
 
 
+# the Markov head's (W1, W2) by model generation: V4.1's checkpoint names them embed and head (V41-REFERENCE §5)
+MARKOV_KEYS = {"deepseek_v4": ("markov_w1", "markov_w2"), "deepseek_v41": ("embed", "head")}
+
+
+def _generation(model: Model) -> str:
+    """The suffix of a model generation's own drafter programs (spec/graph.yaml: ring_entry_v41, draft_v41)."""
+    return "_v41" if model.cfg.model_type == "deepseek_v41" else ""
+
+
 def block_size(model: Model) -> int:
     return model.cfg.dspark_block_size
 
@@ -79,10 +88,11 @@ def context_rows(model: Model, hidden: torch.Tensor, positions: torch.Tensor) ->
 
     hidden [n, k*d] main_hidden of those positions (the target forward's taps), positions [n]."""
     mod, params, cfg = model.module, model.params, model.cfg
+    ring_entry = getattr(mod, "ring_entry" + _generation(model))
     with torch.inference_mode():
         main_x = mod.draft_context(params, hidden, cfg, model.rope)
         batch = _positions_batch(positions)
-        return [mod.ring_entry(lp, main_x, batch, layer, cfg, model.rope).to(model.state_dtype)
+        return [ring_entry(lp, main_x, batch, layer, cfg, model.rope).to(model.state_dtype)
                 for layer, lp in zip(model.stages, params.drafter)]
 
 
@@ -99,7 +109,7 @@ def propose(model: Model, anchors: list[int], store, seq_ids: list, choose: Choo
     batch = store.ring_address(seq_ids, Batch(tokens, positions_of((gamma,) * len(anchors), starts),
                                               (gamma,) * len(anchors), tuple(starts)))
     with torch.inference_mode():
-        base, y = model.module.draft(model.params, batch, store.rings, cfg, model.rope)
+        base, y = getattr(model.module, "draft" + _generation(model))(model.params, batch, store.rings, cfg, model.rope)
     return _markov(model, base.float().unflatten(0, (len(anchors), gamma)),
                    y.float().unflatten(0, (len(anchors), gamma)), torch.tensor(anchors), choose)
 
@@ -110,8 +120,7 @@ def _markov(model: Model, base: torch.Tensor, y: torch.Tensor, anchors: torch.Te
 
     base [S, gamma, V] logits U, y [S, gamma, d] pre-norm reduced states."""
     last = model.params.drafter[-1]
-    w1 = last["markov_head.markov_w1.weight"].float()           # [V, r]
-    w2 = last["markov_head.markov_w2.weight"].float()           # [V, r]
+    w1, w2 = (last[f"markov_head.{k}.weight"].float() for k in MARKOV_KEYS[model.cfg.model_type])     # [V, r] each
     wc = last["confidence_head.proj.weight"].float()[0]         # [d + r]
     prev, ids, probs, conf = anchors, [], [], []
     for k in range(base.shape[1]):

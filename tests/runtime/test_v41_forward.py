@@ -141,3 +141,60 @@ def test_engram_ids_are_the_whole_sequences(model):
         store.set_length(0, start + n)
         start += n
     assert np.array_equal(np.concatenate(got), expected)
+
+
+def test_a_dspark_round_equals_the_oracles(model, v41_tiny_ckpt):
+    """One greedy DSpark round after a 26-token prompt through the engine's drafter (context rings from the taps at
+    the target layers' input, the stages as V4.1 blocks with their own MoE, the Markov head named embed / head):
+    the oracle's anchor, drafts, base logits and confidences."""
+    from lib.engine.drafting import context_rows, propose
+
+    ids = _tokens(model, 26, 8)
+    anchor, drafts, base, confidence = V41Oracle(v41_tiny_ckpt).draft(ids)
+    gamma = model.cfg.dspark_block_size
+    store = PagedCache.for_lengths(model, [len(ids) + gamma], rings=True, slack=gamma)
+    store.add(0)
+    logits, hidden = paged_step(model, make_batch([ids]), store, [0], with_hidden=True)
+    assert int(logits[-1].argmax()) == anchor
+    store.write_ring(0, 0, context_rows(model, hidden, torch.arange(len(ids))))
+    block = propose(model, [anchor], store, [0], lambda logits, k: (logits.argmax(-1), logits))
+    assert block.tokens[0].tolist() == drafts
+    markov = model.params.drafter[-1]
+    w1, w2 = markov["markov_head.embed.weight"].float(), markov["markov_head.head.weight"].float()
+    prev = torch.tensor([anchor] + drafts[:-1])
+    assert float((block.probs[0] - w1[prev] @ w2.t() - base.float()).abs().max()) < 1e-4   # U_k + W2 W1[y_{k-1}]
+    assert float((block.confidence[0] - torch.tensor(confidence)).abs().max()) < 1e-4
+
+
+def test_the_engine_serves_v41_and_dspark_is_lossless(model):
+    """Continuous batching over the paged V4.1 state, with and without DSpark: the same greedy tokens, which are
+    those of one prefill per step."""
+    from lib.engine.llm_engine import Engine, EngineConfig
+    from lib.engine.sampling import SamplingParams
+
+    prompts = [_tokens(model, 19, 9), _tokens(model, 5, 10), _tokens(model, 33, 11)]
+    runs = {}
+    for mode in ("none", "dspark"):
+        engine = Engine(model, EngineConfig(max_num_seqs=3, max_num_batched_tokens=24, speculative=mode,
+                                            adaptive_drafting=False))
+        runs[mode] = [r.output for r in engine.generate(prompts, SamplingParams(max_tokens=10))]
+    assert runs["dspark"] == runs["none"]
+    seq = list(prompts[0])
+    for token in runs["none"][0]:
+        assert int(prefill_logits(model, seq)[-1].argmax()) == token
+        seq.append(token)
+
+
+def test_python_m_serve_serves_a_v41_checkpoint_through_the_openai_client(v41_tiny_ckpt):
+    """`python -m serve --model <tiny v41 dir>` (its `prepare` path): the same API as V4, DSpark on by default."""
+    from tests.serve_util import MODEL, running_server
+
+    with running_server(v41_tiny_ckpt) as server:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=6, temperature=0)
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
+        assert server.prepared.context.engine.engine.method == "dspark"
+        text = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+        assert text.usage.completion_tokens == 5 and text.choices[0].text

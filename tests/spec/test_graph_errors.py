@@ -84,7 +84,7 @@ def test_graph_unknown_program(tmp_path):
     p = graph(tmp_path, "{call: ffn, args", "{call: fnn, args")
     assert error_of(load_graph, p) == (
         f"{p}:{line(p, 'call: fnn')}: unknown program 'fnn' (accepted: attention, attention_v41, block, block_v41, "
-        "draft, draft_context, ffn, model, model_v41, mtp_draft, ring_entry)")
+        "draft, draft_context, draft_v41, ffn, model, model_v41, mtp_draft, ring_entry, ring_entry_v41)")
 
 
 def test_graph_reads_value_defined_later(tmp_path):
