@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from spec.tables import block_experts
+
 
 class ExpertPlacement(NamedTuple):
     n_experts: int
@@ -55,7 +57,7 @@ def placement_for_block(cfg, layer, options) -> ExpertPlacement:
     """tensors.yaml `derived` builder: the placement of this process's EP rank. Under real EP the
     options carry the rank read from the live process group at load time (lib.distributed.process_group.live, B11)."""
     place = options.faults.expert_placement or expert_placement      # a re-introduced field bug (conformance)
-    placement = place(cfg.n_routed_experts, options.ep_size, options.ep_rank, options.ep_simulate)
+    placement = place(block_experts(cfg, layer), options.ep_size, options.ep_rank, options.ep_simulate)
     return placement._replace(group=options.ep_group, dispatch=options.ep_dispatch)
 
 

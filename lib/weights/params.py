@@ -20,7 +20,7 @@ from lib.quant.reference_formats import resolve
 from lib.quant.runtime_formats import W4A8, W8A8, PackedFP4
 from lib.records.expert_placement import expert_placement
 from spec.schedule import LayerInfo, schedule
-from spec.tables import Logical, load_tensor_table
+from spec.tables import Logical, block_experts, load_tensor_table
 
 
 class Params(NamedTuple):
@@ -77,14 +77,15 @@ def reads_preconverted(logical: Logical) -> bool:
     return logical.entry.tensor_class == "routed_expert" and logical.layer.role == "backbone"
 
 
-def own_experts(cfg, options: LoadOptions) -> range:
-    """Global ids of the routed experts this process loads: every expert, or under EP (not simulated)
-    its rank's contiguous share, the range lib.records.expert_placement gives it. Drafter stages use the same
-    placement as the backbone (placement_for_block builds it for every block), so their experts
-    are split alike."""
+def own_experts(cfg, options: LoadOptions, layer=None) -> range:
+    """Global ids of the routed experts of a block (`layer`; the backbone's without one) this process loads:
+    every expert, or under EP (not simulated) its rank's contiguous share, the range lib.records.expert_placement
+    gives it (placement_for_block builds the same for every block). V4.1's DSpark stages have experts of their
+    own (spec/tables.py block_experts), split alike."""
+    n = block_experts(cfg, layer)
     if options.ep_simulate or options.ep_size == 1:
-        return range(cfg.n_routed_experts)
-    share = expert_placement(cfg.n_routed_experts, options.ep_size, options.ep_rank).experts_of(options.ep_rank)
+        return range(n)
+    share = expert_placement(n, options.ep_size, options.ep_rank).experts_of(options.ep_rank)
     return range(share.start, share.stop)
 
 
@@ -95,7 +96,7 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     `derived`)."""
     # refuse a TP or EP size the config cannot be split by before reading anything
     shard.check_tp(ckpt.config, ckpt.logical, options.tp_size, options.tp_rank)
-    own = own_experts(ckpt.config, options)
+    own = {}                             # block prefix -> the experts this process loads of it
     ledger = LoadLedger(ckpt.logical)
     model: dict[str, torch.Tensor] = {}
     blocks: dict[str, dict[str, object]] = {}
@@ -105,7 +106,8 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     n_local = ckpt.config.n_routed_experts // options.ep_size
     items = tqdm(ckpt.logical, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for t in items:
-        if t.expert is not None and t.expert not in own:
+        if t.expert is not None and t.expert not in own.setdefault(t.layer.prefix, own_experts(ckpt.config, options,
+                                                                                                t.layer)):
             other_ranks.add(t.key)
             continue
         if store is not None and reads_preconverted(t):

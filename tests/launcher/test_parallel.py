@@ -42,6 +42,19 @@ def test_layout_decodes_like_one_process_with_and_without_dspark(tiny_ckpt, refe
         assert all(len(tokens) == STEPS for tokens in r.parallel)
 
 
+@pytest.mark.parametrize("tp, ep, dispatch", LAYOUTS)
+def test_v41_layout_decodes_like_one_process_with_and_without_dspark(v41_tiny_ckpt, references, tp, ep, dispatch):
+    """DeepSeek-V4.1 on the reference: the heads split across TP ranks, the Engram table's rows split like the
+    embedding's (each rank's lookup zero elsewhere, one all-reduce), the backbone's and the DSpark stages' own
+    experts split across EP ranks; the KV sources' pools and the carried selection whole on every rank."""
+    results = parallel_check.check(v41_tiny_ckpt, "cpu", tp, ep, dispatch, steps=16, prompts=PROMPTS,
+                                   reference=references.setdefault("v41", {}))
+    assert [r.speculative for r in results] == ["none", "dspark"]
+    for r in results:
+        assert r.first_difference is None, r.line()
+        assert all(len(tokens) == 16 for tokens in r.parallel)
+
+
 def test_device_tp_and_ep_together_decode_like_one_process(tiny_ckpt):
     """CI's device layout (the full matrix is -m slow): 310P with TP=2 and EP=2 over all-to-all, so
     both the per-group wo_b sum and the pair-row exchange run, 16 steps of one prompt."""

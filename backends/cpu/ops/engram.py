@@ -56,9 +56,12 @@ def engram_inject(x: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weig
     return (xw + g.unsqueeze(-1) * value.unsqueeze(1)).float()
 
 
-def engram(x: torch.Tensor, ids: torch.Tensor, table: EngramShard, wkv: torch.Tensor, q_weight: torch.Tensor,
-           k_weight: torch.Tensor, *, layer_index: int, layer_ids, eps: float) -> torch.Tensor:
-    """The graph's `engram` op: the hash ids of this layer (its column of the batch's engram_ids [T, L, C]) pick
-    its table's rows, injected into the streams X [T, n, D]."""
-    slot = list(layer_ids).index(layer_index)
-    return engram_inject(x, table.lookup(ids[:, slot]), wkv, q_weight, k_weight, eps)
+
+def engram_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, layer_ids, shard: int,
+                  shards: int) -> torch.Tensor:
+    """The graph's `engram_lookup`: the rows this layer's column of the batch's hash ids [T, L, C] names -> [T, C, E]
+    fp32; `table` holds rank `shard`'s contiguous block of the table's rows (all of them in one process), rows
+    another rank holds are zeros."""
+    held = table.weight.shape[0]
+    rank_rows = EngramShard(table.weight, table.scale, shard * held, held * shards)
+    return rank_rows.lookup(ids[:, list(layer_ids).index(layer_index)])
