@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from lib.quant.bit_codecs import dequant_fp8_block
+from lib.quant.reference_formats import decode
 from lib.weights.checkpoint import Checkpoint
 
 CHANNELS_PER_SCALE = 32
@@ -22,14 +23,14 @@ CHANNELS_PER_SCALE = 32
 
 class EngramShard(NamedTuple):
     """Rows [start, start + weight.shape[0]) of one Engram table."""
-    weight: torch.Tensor      # [rows of this rank, E] float8_e4m3fn, as stored
-    scale: torch.Tensor       # [rows of this rank, E / 32] E8M0 bytes, as stored
+    weight: torch.Tensor      # [rows of this rank, E] float8_e4m3fn, as stored (or the values, without a scale)
+    scale: torch.Tensor | None  # [rows of this rank, E / 32] E8M0 bytes, as stored; None: `weight` holds the values
     start: int                # the first row this rank holds
     rows: int                 # rows of the whole table
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale) if t is not None)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] int64 rows of the whole table -> [..., E] fp32: this rank's rows dequantised, zeros for ids
@@ -40,17 +41,20 @@ class EngramShard(NamedTuple):
         local = ids.flatten() - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         at = torch.where(mine, local, torch.zeros_like(local))
-        rows = dequant_fp8_block(self.weight.index_select(0, at), self.scale.index_select(0, at),
-                                 block=(1, CHANNELS_PER_SCALE)).float()
+        rows = self.weight.index_select(0, at).float() if self.scale is None else \
+            dequant_fp8_block(self.weight.index_select(0, at), self.scale.index_select(0, at),
+                              block=(1, CHANNELS_PER_SCALE)).float()
         return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
 
 
-def to_fp8_rows(storage: str, parts: dict[str, torch.Tensor], cfg) -> EngramShard:
-    """Runtime format `fp8_rows` (spec/runtime.yaml): a table as stored, all of its rows in one shard."""
-    if storage != "fp8_row32":
-        raise ValueError(f"runtime format fp8_rows holds an fp8_row32 Engram table, not {storage}")
-    weight = parts["weight"].contiguous()
-    return EngramShard(weight, parts["scale"].contiguous(), 0, weight.shape[0])
+def to_engram_rows(storage: str, parts: dict[str, torch.Tensor], cfg) -> EngramShard:
+    """Runtime format `engram_rows` (spec/runtime.yaml): a table in one shard of all its (this rank's) rows, the
+    release's FP8 rows as stored, any other storage (a ModelSlim export's FLOAT table) decoded once."""
+    if storage == "fp8_row32":
+        weight = parts["weight"].contiguous()
+        return EngramShard(weight, parts["scale"].contiguous(), 0, weight.shape[0])
+    values = decode(storage, parts, cfg).float().contiguous()
+    return EngramShard(values, None, 0, values.shape[0])
 
 
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:

@@ -138,7 +138,7 @@ def test_runtime_format_bytes_are_what_the_converter_returns(fmt):
     cfg = variant_config("flash-0731")
     group = format_group(fmt, cfg)
     shape = (256, 384) if group is None else (256, 2 * group)        # a grouped format holds whole groups
-    storage = {"mxfp4_packed": "mxfp4", "index_i64": "i64", "index_i32": "i64", "fp8_rows": "fp8_row32"}.get(fmt, "fp8_block")
+    storage = {"mxfp4_packed": "mxfp4", "index_i64": "i64", "index_i32": "i64", "engram_rows": "fp8_row32"}.get(fmt, "fp8_block")
     x = torch.randint(0, 6, shape) if storage == "i64" else torch.randn(shape, generator=torch.Generator().manual_seed(0))
     value = resolve(load_runtime_formats().formats[fmt].convert)(storage, encode(storage, x, cfg), cfg)
     fields = {"data": value} if isinstance(value, torch.Tensor) else \
