@@ -19,8 +19,8 @@ from spec.tables import TensorTable
 from spec.yamlio import SpecError
 
 STAGE_REFS = {"first.": "params.drafter[0]", "last.": "params.drafter[-1]"}   # model-scope refs to drafter stages
-WRAP = 112
-ENTRY_FUNCTIONS = {"model": "forward", "model_v41": "forward_v41"}   # each model generation's forward  # generated lines longer than this put one argument per line
+WRAP = 112  # generated lines longer than this put one argument per line
+ENTRY_FUNCTIONS = {"model": "forward", "model_v41": "forward_v41"}   # each model generation's forward
 
 
 class Function(NamedTuple):

@@ -182,9 +182,10 @@ class PagedCache:
         ends = [s + n for s, n in zip(batch.starts, batch.seq_lens)]
         if any(self._needed(seq, end)[m] for seq, end in zip(seqs, ends) for m in self.ratios):
             raise ValueError("positions of this batch are not allocated; ensure() them first")
-        engram = self._engram_ids(batch, seqs, shape)
         if shape is not None:
             _check_fits(batch, ends, shape)
+        engram, tails = self._engram_ids(batch, seqs, shape)     # the tails are kept once the step is addressed
+        if shape is not None:
             batch = _padded(batch, shape)
         batch = batch._replace(engram_ids=engram)
         lens, starts = batch.seq_lens, batch.starts
@@ -199,8 +200,10 @@ class PagedCache:
             tables.append(GroupTable(m, table))
             writes[m] = self._entry_writes(m, table, starts[:len(seqs)], ends, lo,
                                            None if shape is None else sum(lens))
-        for seq, end in zip(seqs, ends):
+        for seq, end, tail in zip(seqs, ends, tails):
             seq.written = end
+            if tail is not None:
+                seq.engram = tail
         max_entries = {m: (max(all_ends) if shape is None else shape.max_len) // m for m in self.ratios}
         state = Addressing(_rows_of(lens), torch.tensor([seq.slot for seq in seqs] + [self.max_seqs] * pad),
                            torch.tensor(starts, dtype=torch.int64), torch.tensor(all_ends, dtype=torch.int64),
@@ -208,24 +211,23 @@ class PagedCache:
                            self.block_tokens, self.logical_block_tokens, self.sites,
                            max_len=max(all_ends) if shape is None else shape.max_len, step_tokens=max(lens))
         state = with_step_rows(state, batch.positions.cpu(), window=self.cfg.sliding_window, **self._step_geometry)
-        if self.device is None:
-            return batch._replace(state=state)
-        ids = batch.engram_ids
-        return batch._replace(state=state.to(self.device), engram_ids=None if ids is None else ids.to(self.device))
+        # the Engram ids stay on the host with the tables they index (lib/weights/engram_table.py)
+        return batch._replace(state=state if self.device is None else state.to(self.device))
 
-    def _engram_ids(self, batch: Batch, seqs: list[_Seq], shape: StepShape | None) -> torch.Tensor | None:
-        """The batch's Engram hash ids (None without Engram layers), each sequence hashed after its committed
-        positions; keeps each sequence's last ids for its next step."""
+    def _engram_ids(self, batch: Batch, seqs: list[_Seq], shape: StepShape | None):
+        """(the batch's Engram hash ids, or None without Engram layers; each sequence's tail of compressed ids to
+        keep for its next step), each sequence hashed after its committed positions."""
         if self.engram is None:
-            return None
+            return None, [None] * len(seqs)
         keep = self.engram.params.window + self.slack
-        tokens, lo, parts = batch.tokens.tolist(), 0, []
+        tokens, lo, parts, tails = batch.tokens.tolist(), 0, [], []
         for seq, start, n in zip(seqs, batch.starts, batch.seq_lens):
-            ids, seq.engram = step_ids(self.engram, seq.engram, start, tokens[lo:lo + n], keep)
+            ids, tail = step_ids(self.engram, seq.engram, start, tokens[lo:lo + n], keep)
             parts.append(ids)
+            tails.append(tail)
             lo += n
         pad = 0 if shape is None else shape.seqs * shape.tokens - lo
-        return as_tensor(parts, pad, self.engram.params.shape_tail)
+        return as_tensor(parts, pad, self.engram.params.shape_tail), tails
 
     def _entry_writes(self, m: int, table: torch.Tensor, starts, ends, lo: list[int],
                       pad_to: int | None = None) -> EntryWrites:
