@@ -74,13 +74,13 @@ def layer_param_keys(table: TensorTable, kind: dict[str, str], every: bool = Tru
 def lacking(table: TensorTable, kind: dict[str, str], key: str) -> str:
     """The layer kinds consistent with `kind` that lack parameter `key`, e.g. 'attention=swa'."""
     if any(axis in kind for axis in V41_AXES):
-        lacking = [x for x in _v41_examples(kind) if key not in _layer_keys(table, x)]
-        return ", ".join(dict.fromkeys(f"kv_role={x.kv_role} attention={x.attention}" for x in lacking))
-    lacking = [(a, r) for a, r in _combos(kind) if key not in _combo_keys(table, a, r)]
-    atts = list(dict.fromkeys(a for a, _ in lacking))
-    if all((a, r) in lacking for a in atts for r in AXES["routing"]):
+        without = [x for x in _v41_examples(kind) if key not in _layer_keys(table, x)]
+        return ", ".join(dict.fromkeys(f"kv_role={x.kv_role} attention={x.attention}" for x in without))
+    missing = [(a, r) for a, r in _combos(kind) if key not in _combo_keys(table, a, r)]
+    atts = list(dict.fromkeys(a for a, _ in missing))
+    if all((a, r) in missing for a in atts for r in AXES["routing"]):
         return "attention=" + "|".join(atts)
-    routs = list(dict.fromkeys(r for _, r in lacking))
-    if all((a, r) in lacking for a in AXES["attention"] for r in routs):
+    routs = list(dict.fromkeys(r for _, r in missing))
+    if all((a, r) in missing for a in AXES["attention"] for r in routs):
         return "routing=" + "|".join(routs)
-    return ", ".join(f"attention={a} routing={r}" for a, r in lacking)
+    return ", ".join(f"attention={a} routing={r}" for a, r in missing)

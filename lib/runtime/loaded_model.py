@@ -130,7 +130,7 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     facts = code.facts
     ckpt = Checkpoint(path)
     if ckpt.config.model_type not in facts.models:     # a generation this backend's code has no forward of
-        from spec.generations import forward_refusal
+        from spec.generations import forward_refusal      # the error path only: it reads the profiles' YAML
 
         raise SpecError(f"{path}: {forward_refusal(ckpt.config, backend)}")
     if parallel.world > 1:

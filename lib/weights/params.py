@@ -106,8 +106,9 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     n_local = ckpt.config.n_routed_experts // options.ep_size
     items = tqdm(ckpt.logical, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for t in items:
-        if t.expert is not None and t.expert not in own.setdefault(t.layer.prefix, own_experts(ckpt.config, options,
-                                                                                                t.layer)):
+        if t.expert is not None and t.layer.prefix not in own:       # each block's share once, not per tensor
+            own[t.layer.prefix] = own_experts(ckpt.config, options, t.layer)
+        if t.expert is not None and t.expert not in own[t.layer.prefix]:
             other_ranks.add(t.key)
             continue
         if store is not None and reads_preconverted(t):

@@ -56,7 +56,6 @@ def engram_inject(x: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weig
     return (xw + g.unsqueeze(-1) * value.unsqueeze(1)).float()
 
 
-
 def engram_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, layer_ids, shard: int,
                   shards: int) -> torch.Tensor:
     """The graph's `engram_lookup`: the rows this layer's column of the batch's hash ids [T, L, C] names -> [T, C, E]
