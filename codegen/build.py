@@ -18,7 +18,6 @@ from codegen.lower import Rewrite, lower
 from spec.config import RankConfig
 from spec.fused import describe, unmet
 from spec.graph import GRAPH_PATH, load_graph
-from spec.generations import forward_refusal
 from spec.profile import load_profile, load_runtime_formats, profile_path
 from spec.state import as_python, load_state
 from spec.tables import SPEC_DIR, load_tensor_table
@@ -76,7 +75,6 @@ def render(backend: str, spec_dir: Path = SPEC_DIR, rewrite: Rewrite = Rewrite()
         "compute_dtype": profile.compute_dtype,
         "cache": profile.cache,
         "ep_dispatch": profile.ep_dispatch.mode,
-        "models": repr(tuple(profile.models)),
         "state": [_state_line(d) for d in load_state(spec_dir / "state.yaml")],
         "imports": lowered.imports,
         "functions": lowered.functions,
@@ -129,10 +127,6 @@ def _fused_rows(profile) -> list[dict]:
     for name, kernel in profile.fused.items():
         per_variant = []
         for variant in variants():
-            # a model this backend does not run (V4.1-Flash on a device) has no generated forward here, so
-            # "fused" / "composite" would mislead: the table lists the variants the backend runs only
-            if forward_refusal(variant_config(variant), profile.name) is not None:
-                continue
             failed = unmet(kernel.limits.values(), RankConfig.of(variant_config(variant)))
             per_variant.append((variant, "fused" if not failed else "composite: " + "; ".join(failed)))
         rows.append({"name": name, "kernel": kernel, "ops": ", ".join(f"`{op}`" for op in kernel.ops),

@@ -351,8 +351,6 @@ def lower(lg: LoadedGraph, profile: Profile, table: TensorTable, rewrite: Rewrit
     lw = _Lowerer(lg, profile, table, rewrite)
     functions, dispatch = [], []
     for name, prog in lg.graph.programs.items():
-        if not set(prog.models) & set(profile.models):
-            continue                         # a model generation this backend does not run
         if prog.variants is None:
             functions.append(lw.lower_program(name, {}))
             continue

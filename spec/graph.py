@@ -76,9 +76,6 @@ class Program(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     returns: tuple[str, ...]
     variants: Literal["attention", "routing", "kv_role", "engram_kind"] | None = None
     updates: dict[str, str] = {}
-    # the model generations (config model_type) whose forward runs it; a backend generates the programs of the
-    # generations its profile runs (spec/profile.py `models`)
-    models: tuple[Literal["deepseek_v4", "deepseek_v41"], ...] = ("deepseek_v4",)
 
     def n_results(self) -> int:
         return len(self.returns) + (1 if self.updates else 0)
@@ -101,10 +98,9 @@ class LoadedGraph(msgspec.Struct, frozen=True):
         return f"{self.path}:{self.step_line(program, index)}"
 
 
-def program_ops(g: Graph, models) -> set[str]:
-    """The ops the programs of these model generations (config model_type) run: what a backend that runs
-    them must lower."""
-    steps = [step for prog in g.programs.values() if set(prog.models) & set(models) for step in prog.steps]
+def program_ops(g: Graph) -> set[str]:
+    """The ops the programs run: what every backend must lower."""
+    steps = [step for prog in g.programs.values() for step in prog.steps]
     return {step.op for step in steps if step.op is not None} | {TAP_OP for step in steps if step.tap is not None}
 
 

@@ -193,9 +193,6 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # conformance error budgets vs the cpu reference: "attention" / "ffn" (relative error of a
     # teacher-forced sub-layer output), "logits" (absolute logit error a top-1 comparison tolerates)
     conformance: dict[Literal["attention", "ffn", "logits"], Budget] = {}
-    # the model generations (config model_type) this backend's generated code runs; a checkpoint of
-    # another one is refused at load, naming the backends that run it
-    models: tuple[Literal["deepseek_v4", "deepseek_v41"], ...] = ("deepseek_v4",)
 
     def lowering(self, op: str, fmt: str | None = None) -> Lowering:
         """The lowering of `op`; `fmt` is the runtime format of its dispatch port, if it has one."""

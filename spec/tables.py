@@ -101,7 +101,7 @@ class Entry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scope: Literal["model", "block"]
     shape: tuple[str | int, ...]
     format: str
-    tp: Literal["replicate", "rows", "cols", "experts"]
+    tp: Literal["replicate", "rows", "row_blocks", "cols", "experts"]
     tensor_class: str = msgspec.field(name="class")
     when: When = When()
 

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from backends.ascend310p import device_ops as device
-from backends.common import attention, dense, hc, moe
+from backends.common import attention, dense, engram, hc, moe, shared_kv
 from lib.distributed import process_group as parallel
 from lib.records.expert_placement import ExpertPlacement
 from lib.quant.runtime_formats import W8A8, PackedFP4, packed_fp4_to_w8a8, quantize_rows
@@ -34,6 +34,13 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
     return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
+
+
+# DeepSeek-V4.1's own ops (shifted mHC, Engram, the shared compressed KV) with this device's RMSNorm kernel bound
+hc_mix = functools.partial(hc.hc_mix, rms=_rms)
+hc_collapse = functools.partial(hc.hc_collapse, dtype=DTYPE)
+engram_inject = functools.partial(engram.engram_inject, rms=_rms)
+latent_compress = functools.partial(shared_kv.latent_compress, rms=_rms)
 
 
 head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound

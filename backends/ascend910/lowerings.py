@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from backends.ascend910 import device_ops as device
-from backends.common import attention, dense, hc, moe
+from backends.common import attention, dense, engram, hc, moe, shared_kv
 from lib.emulation.invariant_matmul import matmul
 from lib.records.expert_placement import ExpertPlacement
 from lib.records.step_rope import StepRope, split, step_positions
@@ -37,6 +37,13 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
     return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
+
+
+# DeepSeek-V4.1's own ops (shifted mHC, Engram, the shared compressed KV) with this device's RMSNorm kernel bound
+hc_mix = functools.partial(hc.hc_mix, rms=_rms)
+hc_collapse = functools.partial(hc.hc_collapse, dtype=DTYPE)
+engram_inject = functools.partial(engram.engram_inject, rms=_rms)
+latent_compress = functools.partial(shared_kv.latent_compress, rms=_rms)
 
 
 head_rms_norm = functools.partial(dense.head_rms_norm, rms=_rms)       # the op's lowerings with the kernel bound

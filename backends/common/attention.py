@@ -53,7 +53,20 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     else:
         z = matmul(x, wgate.t()).float() + ape.float().index_select(0, slot)
         az = torch.cat((matmul(x, wkv.t()).float(), z), dim=-1)
-    c, ring, writes = az.shape[-1] // 2, pools.state.shape[1], addr.writes[ratio]
+    new = pool_groups(az, batch, pools, ratio=ratio, overlap=overlap)              # [K, Dc] fp32
+    new = rms(new, norm.float(), eps)                                           # fp32
+    entries = rope(new, angles.entries[ratio], rope_dim)                        # at m * e
+    pools.entries.index_copy_(0, addr.writes[ratio].slots, entries.to(pools.entries.dtype))
+    return pools
+
+
+def pool_groups(az, batch: Batch, pools: CompressorPools, *, ratio: int, overlap: bool) -> torch.Tensor:
+    """The step's rows A | Z [T, 2C] (fp32) -> the entries it completes pooled, [K, Dc] fp32 (softmax of Z over each
+    entry's positions per channel, `overlap`: window e-1's first half and window e's second), and the step's rows
+    written into the ring after every read of it. The pooled positions are one gather from the ring's rows and
+    the step's."""
+    addr = batch.state
+    c, ring = az.shape[-1] // 2, pools.state.shape[1]
     span = 2 * ratio if overlap else ratio
     q = addr.step(("span_pos", ratio, span))                                   # [K, S] positions pooled
     src = addr.step(("span", ratio, span, ring)).reshape(-1)
@@ -67,11 +80,8 @@ def compress(h, batch: Batch, pools: CompressorPools, wkv, wgate, ape, norm, *, 
     valid = addr.step(("span_valid", ratio, span))[:, :, None]                 # pooled positions that exist
     weights = torch.softmax(torch.where(valid, gate, float("-inf")), dim=1)
     new = (weights * torch.where(valid, kv, 0.0)).sum(dim=1)                    # [K, Dc]
-    new = rms(new, norm.float(), eps)                                           # fp32
-    entries = rope(new, angles.entries[ratio], rope_dim)                        # at m * e
-    pools.entries.index_copy_(0, writes.slots, entries.to(pools.entries.dtype))
     rows.index_copy_(0, addr.step(("ring", ring)), az)
-    return pools
+    return new
 
 
 def compressed_entries(pools: CompressorPools):

@@ -22,22 +22,43 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, rms=dense.rms) -> t
 
 
 def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, dtype: torch.dtype, rms=dense.rms):
-    """X [T, n, d] (fp32) -> (u [T, d] in `dtype`, post [T, n], comb [T, n, n]) (fp32).
+    """X [T, n, d] (fp32) -> (u [T, d] in `dtype`, post [T, n], comb [T, n, n]) (fp32): hc_mix's coefficients, the
+    streams collapsed with this sub-layer's own pre (V4)."""
+    pre, post, comb = hc_mix(x, fn, base, scale, iters, norm_eps, hc_eps, rms=rms)
+    return _collapse(pre, x).to(dtype), post, comb
+
+
+def hc_mix(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float, *, rms=dense.rms):
+    """X [T, n, d] -> (pre [T, n], post [T, n], comb [T, n, n]) fp32.
 
     All 2n + n*n mixing logits are one product and one sum: each column's scale (scale[0] over the pre columns,
     scale[1] over the post, scale[2] over the comb) held as a column vector made once per weight, the same fp32
-    product per element as the reference's three. The gates are one sigmoid (over every column), and the collapse sum_j pre_j X_j one
-    batched product (the Sinkhorn is the rest). The logits keep the reference's separate product and sum: an
-    addcmul there (a fused multiply-add, one rounding) changed the last bit of a fifth of them, and through the
-    Sinkhorn that flipped a decisive token of the tiny Pro-shaped checkpoint on ascend310p (conformance). The
-    collapse's batched product and hc_post's addcmul measured within the same conformance budgets."""
+    product per element as the reference's three. The gates are one sigmoid (over every column), and the Sinkhorn
+    the rest. The logits keep the reference's separate product and sum: an addcmul there (a fused multiply-add,
+    one rounding) changed the last bit of a fifth of them, and through the Sinkhorn that flipped a decisive token
+    of the tiny Pro-shaped checkpoint on ascend310p (conformance)."""
     n = x.shape[1]
     m = _mix(x, fn, norm_eps, rms)                                             # [T, 2n + n*n]
     logits = m * _column_scales(scale, n) + base.float()
     gates = torch.sigmoid(logits)          # the comb columns' too: one contiguous kernel (a strided slice's
     pre, post = gates[:, :n] + hc_eps, 2 * gates[:, n:2 * n]                  # sigmoid can round its tails apart)
     comb = _sinkhorn(torch.softmax(logits[:, 2 * n:].unflatten(-1, (n, n)), dim=-1), iters, hc_eps)
-    return _collapse(pre, x).to(dtype), post, comb
+    return pre, post, comb
+
+
+def hc_collapse(x, pre, *, dtype: torch.dtype) -> torch.Tensor:
+    """V4.1's collapse of a sub-layer's streams with the previous sub-layer's pre: u [T, d] in `dtype`."""
+    return _collapse(pre.float(), x).to(dtype)
+
+
+def hc_first_pre(x: torch.Tensor) -> torch.Tensor:
+    """[T, n] fp32 one-hot on stream 0 (V4.1's layer 0 collapses its equal streams with it): a constant of the row
+    count, made once."""
+    def make(rows: int) -> torch.Tensor:
+        pre = torch.zeros(rows, x.shape[1], device=x.device)
+        pre[:, 0] = 1.0
+        return pre
+    return dense.leading(("hc first pre", x.shape[1], str(x.device)), x.shape[0], make)
 
 
 def _column_scales(scale: torch.Tensor, n: int) -> torch.Tensor:

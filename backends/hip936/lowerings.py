@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from backends.common import attention, dense, hc, moe
+from backends.common import attention, dense, engram, hc, moe, shared_kv
 from backends.hip936 import device_ops as device
 from lib.distributed import expert_exchange as ep
 from lib.emulation.invariant_matmul import matmul
@@ -39,6 +39,13 @@ def hc_pre(x, fn, base, scale, iters: int, norm_eps: float, hc_eps: float):
 
 def hc_head(x, fn, base, scale, norm_eps: float, hc_eps: float):
     return hc.hc_head(x, fn, base, scale, norm_eps, hc_eps, dtype=DTYPE, rms=_rms)
+
+
+# DeepSeek-V4.1's own ops (shifted mHC, Engram, the shared compressed KV) with this device's RMSNorm kernel bound
+hc_mix = functools.partial(hc.hc_mix, rms=_rms)
+hc_collapse = functools.partial(hc.hc_collapse, dtype=DTYPE)
+engram_inject = functools.partial(engram.engram_inject, rms=_rms)
+latent_compress = functools.partial(shared_kv.latent_compress, rms=_rms)
 
 
 def shared_expert(x, w1, w3, w2, limit: float):

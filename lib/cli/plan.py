@@ -130,7 +130,7 @@ def cmd_plan(args) -> int:
         devices = [b for b in backend_names() if b != "cpu"]
         raise ValueError(f"dsv4gen plan needs one --backend (accepted: {', '.join(devices)}); "
                          f"`--backend all` is for --ops")
-    # a model the backend does not run (V4.1-Flash on a device) is planned for memory only, and the plan says so
+    # a generation without recorded launch counts (V4.1-Flash) is planned for memory only, and the plan says so
     devices = _devices(args)
     d = Deployment(args.backend, args.variant, devices, args.tp or devices, args.ep or devices,
                    args.expert_mode, args.max_model_len, args.memory_fraction, args.kv_cache_bytes, args.max_num_seqs,
@@ -232,11 +232,10 @@ def _layout(p) -> list[str]:
             f"{w.n_local * d.ep} per device" + (f", the split repeated {copies} times" if copies > 1 else "") +
             "; shared experts, router, compressors, hyper-connections and norms whole on every device "
             "(tensors.yaml tp: replicate)", "  ")
-    if p.model_refusal is not None:
-        out += _wrap(f"PLANNING ONLY: {p.model_refusal}. This is a planning only estimate of its memory (weights per "
-                     f"device, host memory, KV cache in the formats of spec/shared_kv.yaml); no decode step is "
-                     f"predicted", "  ")
-    elif p.runtime_refusal is not None:
+    if p.no_speed is not None:
+        out += _wrap(f"memory only: {p.no_speed}; weights per device, host memory and the KV cache (in the formats of "
+                     f"spec/shared_kv.yaml) are planned, no decode step is predicted", "  ")
+    if p.runtime_refusal is not None:
         out += _wrap(f"PLANNING ONLY, the runtime cannot launch this layout yet: {p.runtime_refusal}", "  ")
     elif not d.classic:
         out.append(f"runtime: launchable, one job of {d.devices} ranks ({d.devices_per_node} per node)")
@@ -305,7 +304,9 @@ def _host(p) -> list[str]:
 def _kv(p) -> list[str]:
     lay = p.layout
     per, fixed = lay.per_token, lay.per_sequence
-    if p.model_refusal is not None:
+    from lib.planner.shared_kv_layout import SharedKVLayout
+
+    if isinstance(p.layout, SharedKVLayout):
         head = (f"  per context position (KV-source layers only, an entry pool per compress ratio, {lay.block_tokens} "
                 f"rows a block):")
     else:
@@ -350,8 +351,7 @@ def _step(name: str, s) -> str:
 def _speed(p) -> list[str]:
     s, dev = p.speed, p.device
     if s is None:
-        return ["decode step: not predicted (planning only: the recorded launch counts are V4-Flash's generated "
-                "code, and this backend does not run this model's forward)"]
+        return [f"decode step: not predicted ({p.no_speed})"]
     mode = (f"captured: {dev.graph_launch_s.value * 1e6:g} us a kernel in a replayed graph" if p.graph_mode
             else f"eager: {dev.launch_latency_s.value * 1e6:g} us a launch")
     out = [f"decode step at context {s.context:,}, one sequence (bytes / bandwidth + launches x latency + collectives; "

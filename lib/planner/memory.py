@@ -22,7 +22,6 @@ from typing import Mapping, NamedTuple
 
 from lib.distributed.process_group import check_sizes
 from spec import expr
-from spec.generations import forward_refusal
 from spec.profile import Profile, load_profile, load_runtime_formats
 from spec.shared_kv import load_shared_kv
 from spec.tables import Logical, expand
@@ -166,13 +165,9 @@ def check_deployment(d: Deployment) -> Profile:
 
 
 def runtime_refusal(d: Deployment) -> str | None:
-    """Why the runtime cannot launch this layout (None: it can): first a model the backend does not run
-    (V4.1 on a device: spec/generations.py forward_refusal), then the layout. Its launcher runs one job of
+    """Why the runtime cannot launch this layout (None: it can). Its launcher runs one job of
     max(TP, EP) ranks, TP and EP each 1 or that world (lib/distributed/process_group.check_sizes);
     data-parallel attention replicas inside a job are not implemented."""
-    reason = forward_refusal(variant_config(d.variant), d.backend)
-    if reason is not None:
-        return reason
     try:
         world = check_sizes(variant_config(d.variant), d.tp, d.ep)
     except ValueError as err:

@@ -18,12 +18,14 @@ from lib.planner import memory as plan_memory
 from lib.planner import speed as plan_speed
 from lib.planner.memory import Deployment
 from lib.planner.shared_kv_layout import SharedKVLayout, shared_kv_layout
-from spec.generations import forward_refusal
 from spec.schedule import drafter_kind
 from spec.variants import variant_config
 
 GIB = 1 << 30
 
+
+# model generations (config model_type) whose decode step the recorded launch counts describe
+COUNTED_GENERATIONS = ("deepseek_v4",)
 
 class Plan(NamedTuple):
     deployment: Deployment
@@ -41,8 +43,8 @@ class Plan(NamedTuple):
     captured: plan_speed.SpeedPlan | None = None   # the step replayed as one captured graph (None: no capture)
     graph_mode: bool = False
     runtime_refusal: str | None = None              # why the runtime cannot launch this layout (None: it can)
-    # a model the backend does not run (V4.1 on a device): memory only, no decode step (its launch counts are V4's)
-    model_refusal: str | None = None
+    # why no decode step is predicted (V4.1: the recorded launch counts are V4-Flash's schedule's): memory only
+    no_speed: str | None = None
     host: tuple[plan_memory.HostTables, ...] = ()   # tensors held in host memory (V4.1's Engram tables)
 
     @property
@@ -117,16 +119,18 @@ def make_plan(d: Deployment, context: int | None = None, acceptance: float = 0.5
     pool = d.kv_cache_bytes if d.kv_cache_bytes is not None else budget - weights.rollup()["total"] - workspace - reserve
     cfg = variant_config(d.variant)
     speculative = d.speculative and drafter_kind(cfg) != "none"
-    model_refusal = forward_refusal(cfg, d.backend)
+    no_speed = None if cfg.model_type in COUNTED_GENERATIONS else (
+        f"the recorded launch counts (data/decode-launches.json) are of DeepSeek-V4-Flash's schedule, not of "
+        f"{cfg.model_type}'s own ops and shared-KV layers")
     if cfg.kv_source_layer_ids is not None:     # V4.1's shared KV: spec/shared_kv.yaml's formats, not STATE
         layout = shared_kv_layout(d.backend, cfg, speculative, d.max_num_seqs, plan_cache.slack_of(cfg, speculative))
     else:
         layout = plan_cache.layout(d.backend, cfg, speculative, d.max_num_seqs)
     capacity = plan_cache.capacity(layout, pool, d.max_model_len)
     host = plan_memory.host_tables(d)
-    if model_refusal is not None:               # no forward, no launch counts: memory only
+    if no_speed is not None:                    # no launch counts of this generation: memory only
         return Plan(d, weights, workspace, reserve, budget, pool, layout, capacity, plan_memory.preconverted(d),
-                    None, device, None, None, graph_mode, plan_memory.runtime_refusal(d), model_refusal, host)
+                    None, device, None, None, graph_mode, plan_memory.runtime_refusal(d), no_speed, host)
     at = context or d.max_model_len
     eager = plan_speed.speed(d, weights, layout, at, acceptance)
     captured = plan_speed.speed(d, weights, layout, at, acceptance, graph=True) if device.graph_launch_s else None
@@ -171,7 +175,7 @@ def as_json(p: Plan) -> dict:
                    "tp": p.deployment.tp, "dp": p.deployment.dp, "ep": p.deployment.ep,
                    "routed_experts_per_device": p.weights.n_local,
                    "launchable": p.runtime_refusal is None, "planning_only_reason": p.runtime_refusal,
-                   "planning_only_model": p.model_refusal},
+                   "no_speed": p.no_speed},
         "fits": p.does_not_fit is None,
         "does_not_fit": p.does_not_fit,
         "device": {name: {"value": num.value, "basis": num.basis, "source": num.source}
@@ -211,7 +215,7 @@ def as_json(p: Plan) -> dict:
         "preconverted_checkpoint_shards": p.preconverted.shards_per_rank * p.preconverted.ranks,
         "convert_output_bytes": p.preconverted.convert_output_bytes,
     }
-    if s is None:           # a model the backend does not run (V4.1 on a device): no decode step is predicted
+    if s is None:           # no launch counts of this generation (V4.1): no decode step is predicted
         return {**out, "decode_step_seconds": None, "tokens_per_second": None}
     return {**out,
             "decode_step_seconds": {"context": s.context, "plain": s.plain.seconds, "dspark_round": s.round_s,

@@ -1,11 +1,13 @@
-"""DeepSeek-V4.1's KV cache as the planner sizes it: shared compressed KV (PLANNING ONLY).
+"""DeepSeek-V4.1's KV cache as the planner sizes it: shared compressed KV in the release's cache formats.
 
 V4.1 compresses on its KV-source layers only (kv_source_layer_ids: 2, 8, 14 at ratio 2, 20 at
 ratio 1; the layers after a source read its cache, V41-REFERENCE §1.4 from [MP] and [TR §4.2.1]).
 Each source keeps one FP4 main entry and one FP4 index key per `ratio` positions, in the formats of
 spec/shared_kv.yaml; the windows (FP8), the ratio-2 sources' fp32 compressor buffers, the drafter
-stages' windows and Engram's last ids are fixed per sequence. No device backend runs V4.1 yet (the cpu
-reference's pools hold fp32), so there is no device pool to match: the pools are laid out as lib/planner/cache_layout.py lays out V4's (an
+stages' windows and Engram's last ids are fixed per sequence. The runtime's pools hold the same values
+simulated in a wider dtype (the reference's fp32, a device's compute dtype: spec/state.yaml), not packed FP4 /
+FP8, so a running engine holds fewer tokens than this plan: the plan is the formats the field's kernels keep.
+The pools are laid out as lib/planner/cache_layout.py lays out V4's (an
 entry group per compress ratio, cdiv(num_blocks, m) + max_seqs blocks of block_tokens rows; ring
 slots for max_seqs + 1 sequences) and `capacity` there sizes both. One shared KV head: every TP rank
 holds its sequences' whole cache.

@@ -31,8 +31,8 @@ from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance_accuracy import accuracy_checks
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
-from lib.porting.conformance_ops import checked_ops, device_calls, op_call, op_checks, run_ops
-from lib.porting.conformance_paged import (batch_checks, copy_pools, new_store, paged_run, placement_check,
+from lib.porting.conformance_ops import SELECTION_MISMATCH, checked_ops, device_calls, op_call, op_checks, run_ops
+from lib.porting.conformance_paged import (SUBLAYER_TABLES, batch_checks, copy_pools, new_store, paged_run, placement_check,
                                            recording_step, state_check)
 from lib.porting.rendering import rendered
 from lib.quant.reference_formats import resolve
@@ -92,20 +92,26 @@ def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, tor
     gen, out = dev.module, []
     angles_of = resolve(op_call(load_profile(dev.backend), "rope_angles"))
     for table, kind, args, ref_out in ref_calls:
+        if table not in SUBLAYER_TABLES:           # a whole V4.1 block: judged by its sub-layers and the logits
+            continue
         layer = args[-3]
         inputs = [_to(a, dev.state_dtype) for a in args[1:-3]]
         rope = dev.rope
-        if table == "ATTENTION":                   # (h, batch, cache); the step's angles, made as the device makes them
+        attention = SUBLAYER_TABLES[table] == "attention"
+        if attention:                              # (h, batch, cache, ...); the step's angles, made as the device makes them
             inputs[2] = copy_pools(inputs[2], dev.state, layer.attention, dev.state_dtype)
             rope = angles_of(inputs[1], tables=dev.rope)
         got = getattr(gen, table)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg, rope)
-        if table != "ATTENTION":
+        if not attention:
             out.append((f"ffn {kind}", got, ref_out))
             continue
-        out.append((f"attention {kind}", got[0], ref_out[0]))
-        writes = inputs[1].state.writes.get(layer.ratio) if layer.ratio else None
-        if writes is not None and writes.slots.numel():
-            for mine, theirs in ((got[1].comp, ref_out[1].comp), (got[1].index, ref_out[1].index)):
+        # V4.1's selecting layers (their own top-k over FP4-simulated queries and keys): a query whose selection
+        # differs from the reference's is a near-tie the selection check judges (op shared_index_select)
+        flipped = (got[1].long() != ref_out[1]).any(1) if layer.index_source and len(got) == 4 else None
+        out.append((f"attention {kind}", got[0], ref_out[0], flipped))
+        writes = inputs[1].state.writes.get(layer.ratio) if layer.kv_source else None     # V4.1: sources only write
+        if writes is not None and writes.slots.numel():                 # the cache is the last value returned
+            for mine, theirs in ((got[-1].comp, ref_out[-1].comp), (got[-1].index, ref_out[-1].index)):
                 if mine is not None:
                     out.append((f"attention {kind} entries", mine.entries[writes.slots], theirs.entries[writes.slots]))
     return out
@@ -116,30 +122,42 @@ def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, tor
 # legitimately flip under the device's dtype for a few tokens (DSV4-REFERENCE §7.4.3), while a
 # real bug moves most tokens.
 OUTLIER_FACTOR, OUTLIER_SHARE = 4.0, 0.05
+# DeepSeek-V4.1 selects its compressed entries with FP4-simulated queries and keys (V41-REFERENCE §3.9): a rounding
+# difference that carries a value across an FP4 step moves its scores by a whole step, so near-ties at the top-k
+# flip far more often than under V4's indexer. Measured on `make-tiny --variant v41-tiny` (index_topk 4): the
+# reference itself, fed its recorded attention inputs rounded to bf16, selects otherwise for 6 of 110 source-layer
+# queries; the device backends for 13-18 of 110; and one or two of 18-25 decisive greedy steps follow such a
+# flip. Per model: (share of a selecting sub-layer's tokens that may select otherwise, share of decisive steps
+# whose top-1 must agree). V4's own selections are judged by the indexer's op check alone.
+SELECTION_ALLOWANCE = {"deepseek_v4": (SELECTION_MISMATCH[torch.bfloat16], 1.0), "deepseek_v41": (0.25, 0.85)}
 
 
-def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None = None) -> list[Check]:
+def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None = None,
+                    selection_share: float = SELECTION_MISMATCH[torch.bfloat16]) -> list[Check]:
     """`flipped`: for each "attention csa" result in order, [T] tokens whose device selection differs
     from the reference's (a near-tie at the top-k boundary, judged by the selection check instead);
-    the other tokens are judged here. A long context's thousands of candidates put such ties in a
+    the other tokens are judged here. A result's own fourth item, where present, is such a mask (V4.1's
+    selecting layers, device_sublayers). A long context's thousands of candidates put such ties in a
     quarter to four fifths of the queries (lib/porting/conformance_context.py); a short run has few."""
     errors: dict[str, list[torch.Tensor]] = {}
     left_out: dict[str, int] = {}
+    selecting: dict[str, int] = {}       # tokens of results with their own mask: at most selection_share left out
     csa = iter(flipped or ())
-    for key, got, want in results:
+    for key, got, want, *own in results:
         e = _token_errors(got, want)
-        if flipped is not None and key == "attention csa":
-            other = next(csa)
-            if bool((~other).any()):
-                e, left_out[key] = e[~other], left_out.get(key, 0) + int(other.sum())
+        other = next(csa) if flipped is not None and key == "attention csa" else (own[0] if own else None)
+        if other is not None and bool(other.any()):
+            e, left_out[key] = e[~other], left_out.get(key, 0) + int(other.sum())
         errors.setdefault(key, []).append(e)
+        if own and own[0] is not None:
+            selecting[key] = selecting.get(key, 0) + own[0].numel()
     checks = []
     for key, errs in sorted(errors.items()):
         e = torch.cat(errs)
         budget = budgets[key.split()[0]].budget
-        median = e.median().item()
-        share = (e > OUTLIER_FACTOR * budget).float().mean().item()
-        ok = median <= budget and share <= OUTLIER_SHARE
+        median = e.median().item() if e.numel() else float("nan")      # nothing left to judge: fails
+        share = (e > OUTLIER_FACTOR * budget).float().mean().item() if e.numel() else 0.0
+        ok = median <= budget and share <= OUTLIER_SHARE and left_out.get(key, 0) <= selection_share * selecting.get(key, 0)
         left = f"; {left_out[key]} selecting otherwise left out" if left_out.get(key) else ""
         unit = "rows" if key.endswith("entries") else "tokens"
         checks.append(Check(f"{key}: median {unit[:-1]} error / outliers ({e.numel()} {unit}{left})",
@@ -169,7 +187,7 @@ def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> Referenc
         recorded = list(code.model.RECORDED)
         tokens = [int(torch.argmax(x[-1])) for x in logits]
         draft = reference_draft(ref, prompt + tokens)
-    calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table != "op"]
+    calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table in SUBLAYER_TABLES]
     op_calls = [(op, args, kwargs, out) for table, op, args, kwargs, out in recorded if table == "op"]
     return ReferenceRun(prompt, tokens, logits, calls, op_calls, draft, state)
 
@@ -252,7 +270,8 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
         checks.append(Check("fused kernels run (widths relaxed for the emulation)",
                             ", ".join(sorted(dev.cfg.fused)) or "none", "reported", True))
         checks += op_checks(op_results, profile, Check)
-        checks += sublayer_checks(results, budgets)
+        selection_share, agree_share = SELECTION_ALLOWANCE[dev.cfg.model_type]
+        checks += sublayer_checks(results, budgets, selection_share=selection_share)
         if done():
             return Report(backend, tuple(checks + [guard_check(guard)]))
         with stages(f"paged teacher-forced decode ({len(tokens)} steps under the guard behind another sequence, "
@@ -261,7 +280,7 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
                 first = paged_run(dev, prompt, tokens, sites=fault.paged)
             fresh = paged_run(dev, prompt, tokens, sites=fault.paged, staggered=False)
         checks.append(guard_check(guard))
-        checks += logit_checks(ref_logits, first.logits, budgets["logits"].budget, first.error)
+        checks += logit_checks(ref_logits, first.logits, budgets["logits"].budget, first.error, agree_share=agree_share)
         checks.append(state_check(reference.state, first.state, first.error, Check))
         checks.append(placement_check(first, fresh, Check))
         if done():

@@ -162,9 +162,15 @@ def copy_pools(pools: LayerPools, state=(), kind: str = "", dtype: torch.dtype |
     return LayerPools(window, comp("comp", pools.comp), comp("index", pools.index))
 
 
+# the generated dispatch tables whose calls are sub-layers: V4's attention, V4.1's, and the MoE FFN of both
+SUBLAYER_TABLES = {"ATTENTION": "attention", "ATTENTION_V41": "attention", "FFN": "ffn"}
+
+
 def recording_step(model, store: PagedCache, batch, seq_ids: list, recorded: list, keep: bool = True) -> torch.Tensor:
     """One paged step of a recording reference (`recorded`: its rendering's RECORDED list). Its
-    attention calls get a copy of the pools as they were before the step; without `keep` the
+    attention calls get a copy of the pools as they were when called: before the step, but a V4.1 layer that
+    reuses a KV source's pools reads them as the source left them this step (only the source writes them,
+    before it); without `keep` the
     step's records are dropped (a long prefill's early chunks)."""
     start = len(recorded)
     before = [copy_pools(p) for p in store.layers] if keep else None
@@ -175,6 +181,11 @@ def recording_step(model, store: PagedCache, batch, seq_ids: list, recorded: lis
     where = {layer.index: i for i, layer in enumerate(model.layers)}
     for k in range(start, len(recorded)):
         table, kind, args, kwargs, out = recorded[k]
-        if table == "ATTENTION":                       # (lp, h, batch, cache, layer, cfg, rope)
-            recorded[k] = (table, kind, (*args[:3], before[where[args[4].index]], *args[4:]), kwargs, out)
+        if SUBLAYER_TABLES.get(table) == "attention":  # (lp, h, batch, cache, [selection, candidates,] layer, cfg, rope)
+            layer = args[-3]
+            pools = before[where[layer.index]]
+            if layer.ratio and not layer.kv_source:      # V4.1: its KV source wrote this step's entries before it read
+                now = copy_pools(store.layers[where[layer.index]])
+                pools = pools._replace(comp=now.comp, index=now.index)
+            recorded[k] = (table, kind, (*args[:3], pools, *args[4:]), kwargs, out)
     return logits

@@ -24,7 +24,7 @@ from spec.yamlio import SpecError
 
 def _lowering_rows(profile: Profile) -> dict[str, str]:
     rows = {}
-    for op in sorted(program_ops(load_graph().graph, profile.models)):     # the ops of the models it runs
+    for op in sorted(program_ops(load_graph().graph)):
         entry = profile.ops.get(op)
         ways = entry.by_format.items() if entry is not None and entry.by_format else [("", profile.lowering(op))]
         for fmt, low in ways:

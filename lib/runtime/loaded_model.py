@@ -38,7 +38,6 @@ class BackendFacts(NamedTuple):
     ep_dispatch: str                 # default EP token exchange: "allgather" | "alltoall"
     fused: dict = {}                 # fused kernel name -> its shape limits (profile `fused`, spec/fused.py)
     ring_rows_multiple: int = 1      # ring pools get a multiple of this many rows (profile cache)
-    models: tuple = ("deepseek_v4",) # the model generations (config model_type) the generated code runs
 
 
 class Model(NamedTuple):
@@ -85,7 +84,7 @@ class Generated(NamedTuple):
     def facts(self) -> BackendFacts:
         p = self.package
         return BackendFacts(getattr(torch, p.COMPUTE_DTYPE), p.CACHE_BLOCK_TOKENS, p.CACHE_LOGICAL_BLOCK_TOKENS,
-                            p.EP_DISPATCH, dict(p.FUSED), p.CACHE_RING_ROWS_MULTIPLE, p.MODELS)
+                            p.EP_DISPATCH, dict(p.FUSED), p.CACHE_RING_ROWS_MULTIPLE)
 
 
 def generated(backend: str) -> Generated:
@@ -129,10 +128,6 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     code = code or generated(backend)
     facts = code.facts
     ckpt = Checkpoint(path)
-    if ckpt.config.model_type not in facts.models:     # a generation this backend's code has no forward of
-        from spec.generations import forward_refusal      # the error path only: it reads the profiles' YAML
-
-        raise SpecError(f"{path}: {forward_refusal(ckpt.config, backend)}")
     if parallel.world > 1:
         check_sizes(ckpt.config, parallel.tp_size, parallel.ep_size)
         options = options._replace(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,

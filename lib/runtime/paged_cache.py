@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lib.guard.capability import allow
 from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites, StepShape, with_step_rows
 from lib.records.batch import Batch, positions_of
 from lib.records.decode_state import CompressorPools, LayerPools
@@ -220,7 +221,9 @@ class PagedCache:
         if self.engram is None:
             return None, [None] * len(seqs)
         keep = self.engram.params.window + self.slack
-        tokens, lo, parts, tails = batch.tokens.tolist(), 0, [], []
+        with allow("the step's token ids are host data (make_batch builds them from lists): hashed on the host"):
+            tokens = batch.tokens.tolist()
+        lo, parts, tails = 0, [], []
         for seq, start, n in zip(seqs, batch.starts, batch.seq_lens):
             ids, tail = step_ids(self.engram, seq.engram, start, tokens[lo:lo + n], keep)
             parts.append(ids)

@@ -47,6 +47,20 @@ class EngramShard(NamedTuple):
         return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
 
 
+def layer_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, layer_ids, tables, shard: int,
+                 shards: int) -> torch.Tensor:
+    """The graph's `engram_lookup` on the host: the rows this layer's column of the batch's hash ids [T, L, C] names
+    -> [T, C, E] fp32. `table` holds rank `shard`'s block of the layer's table (shard_rows: ceil(rows / shards)
+    rows each, the last block short; every row in one process), `tables` every Engram layer's row count; rows
+    another rank holds are zeros, so the ranks' sum is the lookup."""
+    rows = tables[list(layer_ids).index(layer_index)]
+    start, stop = shard_rows(rows, shard, shards)
+    if table.weight.shape[0] != stop - start:
+        raise ValueError(f"Engram table of layer {layer_index}: rank {shard} of {shards} holds "
+                         f"{table.weight.shape[0]} rows, its block of the {rows}-row table is {stop - start}")
+    return EngramShard(table.weight, table.scale, start, rows).lookup(ids[:, list(layer_ids).index(layer_index)])
+
+
 def to_engram_rows(storage: str, parts: dict[str, torch.Tensor], cfg) -> EngramShard:
     """Runtime format `engram_rows` (spec/runtime.yaml): a table in one shard of all its (this rank's) rows, the
     release's FP8 rows as stored, any other storage (a ModelSlim export's FLOAT table) decoded once."""

@@ -1,7 +1,8 @@
 """Which slice of each stored tensor a tensor-parallel (TP) rank reads (DSV4-REFERENCE §4.3).
 
 A logical tensor's tensors.yaml `tp` rule splits it into `tp_size` equal chunks on dim 0 (`rows`)
-or dim 1 (`cols`); rank r reads chunk r. Every stored part is sliced on the same dim in its own
+or dim 1 (`cols`), or into blocks of ceil(rows / tp_size) rows, the last one short (`row_blocks`: a V4.1 Engram
+table, whose 384,016,682 rows no TP size divides); rank r reads chunk r. Every stored part is sliced on the same dim in its own
 units: an FP8 block format's `.scale` [ceil(out/128), ceil(in/128)] in 128-row/column blocks. The
 field sliced the weight of row-parallel linears and not their scale (B05). A rank's share is
 either whole blocks, or a part of one block whose scale every rank sharing it reads (the small
@@ -18,7 +19,7 @@ from spec import expr
 from spec.config import ModelConfig
 from spec.tables import Logical, Part, load_quant
 
-SPLIT_DIMS = {"rows": 0, "cols": 1}
+SPLIT_DIMS = {"rows": 0, "row_blocks": 0, "cols": 1}
 
 # config widths a TP split divides by meaning, not only by shape: whole heads and wo_a groups per rank
 WHOLE_PER_RANK = (("num_attention_heads", "attention heads are split across TP ranks"),
@@ -69,9 +70,9 @@ def split_problem(logical: Logical, cfg: ModelConfig, tp_size: int) -> str | Non
         return None
     what = f"{logical.key} {list(logical.shape)} (tp: {logical.entry.tp})"
     size = logical.shape[dim]
-    if size % tp_size:
+    if size % tp_size and logical.entry.tp != "row_blocks":
         return f"{what}: TP {tp_size} does not divide dim {dim} ({size})"
-    chunk = size // tp_size
+    chunk = -(-size // tp_size)
     fmt = load_quant().formats[logical.format]
     for part, stored in zip(fmt.parts, logical.parts):
         u = unit(part, logical, dim, cfg)
@@ -112,11 +113,12 @@ def part_index(logical: Logical, cfg: ModelConfig, tp_size: int, tp_rank: int) -
     dim = SPLIT_DIMS.get(logical.entry.tp)
     if dim is None or tp_size == 1:
         return None
-    chunk = logical.shape[dim] // tp_size
+    size = logical.shape[dim]
+    chunk = -(-size // tp_size)             # `rows` / `cols`: tp_size divides the size (check_tp)
     fmt = load_quant().formats[logical.format]
     out = {}
     for part, stored in zip(fmt.parts, logical.parts):
         u = unit(part, logical, dim, cfg)
-        lo, hi = tp_rank * chunk, (tp_rank + 1) * chunk
+        lo, hi = min(tp_rank * chunk, size), min((tp_rank + 1) * chunk, size)
         out[stored.role] = TPSlice(dim, lo // u, -(-hi // u))     # covering elements
     return out

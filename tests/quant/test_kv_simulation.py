@@ -49,3 +49,38 @@ def test_the_simulations_keep_the_dtype_and_refuse_a_partial_block():
         assert torch.equal(sim(y), y)                                         # idempotent: already representable
     with pytest.raises(ValueError, match="fp4_main: the last dim \\(24\\) must be a multiple of the block \\(16\\)"):
         fp4_main(torch.zeros(24))
+
+
+def _codec_round_trips():
+    """The same simulations through the checkpoint codecs (encode to codes, decode), what the rounding must equal."""
+    from lib.quant.bit_codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, e8m0_scale_for
+
+    def window(x):
+        b = x.float().unflatten(-1, (-1, 32))
+        s = e8m0_decode(e8m0_scale_for(b.abs().amax(-1, keepdim=True).clamp(min=1e-4), 448.0))
+        return (e4m3_decode(e4m3_encode((b / s).clamp(-448, 448))) * s).flatten(-2)
+
+    def index(x):
+        b = x.float().unflatten(-1, (-1, 32))
+        s = e8m0_decode(e8m0_scale_for(b.abs().amax(-1, keepdim=True), 6.0))
+        return (e2m1_decode(e2m1_encode((b / s).clamp(-6, 6))) * s).flatten(-2)
+
+    def main(x):
+        b = x.float().unflatten(-1, (-1, 16))
+        s = e4m3_decode(e4m3_encode(b.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0 ** -9) / 6))
+        return (e2m1_decode(e2m1_encode((b / s).clamp(-6, 6))) * s).flatten(-2)
+    return {fp8_window: window, fp4_index: index, fp4_main: main}
+
+
+def test_the_value_rounding_equals_the_codecs_round_trip_on_every_binade():
+    """The simulations round the values themselves (no codes, no check that reads a value back, so devices run
+    them too); on blocks spanning 2**-30 .. 2**12, ties and exact grid points included, they equal encode then
+    decode through lib/quant/bit_codecs.py bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    mags = torch.pow(2.0, torch.randint(-30, 13, (64, 64), generator=g).float())
+    x = torch.randn(64, 64, generator=g) * mags
+    x[0, :32] = torch.tensor([0.5, 0.75, 1.25, 2.5, 3.5, 5.0, -0.25, 6.0] * 4)      # ties and grid points at s = 1
+    x[1] = 0.0
+    for sim, codec in _codec_round_trips().items():
+        got, want = sim(x), codec(x)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), sim.__name__

@@ -34,7 +34,7 @@ def test_every_lesson_of_the_backend_is_in_its_profile(backend):
 @pytest.mark.parametrize("backend", backend_names())
 def test_every_lowering_has_the_op_port_signature(backend):
     profile, graph = load_profile(backend), load_graph().graph
-    for name in sorted(program_ops(graph, profile.models)):         # the ops of the models the backend runs
+    for name in sorted(program_ops(graph)):
         op = graph.ops[name]
         entry = profile.ops.get(name)
         lowerings = list(entry.by_format.values()) if entry is not None and entry.by_format else [profile.lowering(name)]

@@ -33,7 +33,7 @@ def test_tensors_missing_required_key(tmp_path):
 def test_tensors_bad_tp(tmp_path):
     p = tensors(tmp_path, "tp: rows, class: head}", "tp: row, class: head}")
     assert error_of(load_tensor_table, p) == (
-        f"{p}:{line(p, 'tp: row,')}: invalid enum value 'row' (accepted: replicate, rows, cols, experts) "
+        f"{p}:{line(p, 'tp: row,')}: invalid enum value 'row' (accepted: replicate, rows, row_blocks, cols, experts) "
         "at 'entries.1.tp'")
 
 

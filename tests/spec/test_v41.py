@@ -1,6 +1,6 @@
 """DeepSeek-V4.1-Flash as a spec change: its config, layer schedule and tensor inventory come from
 spec/models/deepseek-v4.1-flash.yaml and the shared tensor table, and reproduce the published
-checkpoint totals and subsystem breakdown; the backends that do not run its forward refuse it clearly.
+checkpoint totals and subsystem breakdown; every backend generates and runs its forward.
 
 Sources (as cited by the project's V4.1 reference notes, §0 there):
   [REL] pinned release record (config scalars, sha256s, tensor/byte totals), code-index id 68878548201
@@ -21,14 +21,10 @@ from codegen.build import generated_dir
 from lib.cli.main import main as cli
 from lib.weights.checkpoint import Checkpoint, CheckpointError
 from spec.config import load_config_json
-from spec.generations import forward_refusal
 from spec.schedule import backbone, drafter, schedule
 from spec.tables import expand, load_quant
 from spec.variants import variant_config
 from spec.yamlio import SpecError
-
-REFUSAL = "DeepSeek-V4.1-Flash: backend ascend910 does not run its forward yet (backends that do: cpu)"
-
 
 @pytest.fixture(scope="module")
 def v41():
@@ -213,12 +209,6 @@ def test_v4_schedule_facts_keep_their_meaning():
 
 # ---------------------------------------------------------------- refusals
 
-def test_only_the_reference_runs_v41(v41):
-    assert forward_refusal(v41, "ascend910") == REFUSAL
-    assert forward_refusal(v41, "cpu") is None
-    assert all(forward_refusal(variant_config("flash-0731"), b) is None for b in ("cpu", "ascend910", "hip936"))
-
-
 def _nested_config(root):
     """A V4.1 release-style config.json: the model keys nested under text_config (V41-REFERENCE §1.1)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -231,7 +221,6 @@ def test_nested_config_json_reads_as_the_flat_spec(tmp_path, v41):
     cfg, unknown = load_config_json(_nested_config(tmp_path / "v41") / "config.json")
     assert cfg.model_type == "deepseek_v41" and cfg.kv_source_layer_ids == (2, 8, 14, 20)
     assert cfg.vision_hidden_size == 1024 and cfg.expert_dtype == "fp4" and unknown == []
-    assert forward_refusal(cfg, "ascend910") == REFUSAL
     nested = v41.config_json()
     assert set(nested) == {"architectures", "model_type", "dtype", "bos_token_id", "eos_token_id", "image_token_id",
                            "quantization_config", "text_config", "vision_config"}
@@ -296,27 +285,28 @@ def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_
     assert float((slim - exact).norm() / exact.norm()) < 0.3           # measured 0.20
 
 
-def test_load_model_refuses_v41_on_a_device_backend(v41_tiny_ckpt):
-    from lib.runtime.loaded_model import load_model
-    with pytest.raises(SpecError, match=re.escape(REFUSAL)):
-        load_model(v41_tiny_ckpt, "ascend910")
+def test_cli_logits_runs_v41_on_a_device_backend(tmp_path, v41_tiny_ckpt):
+    """`dsv4gen logits` on ascend910 (its emulation): V4.1's forward is generated for every backend, and its logits
+    are near the reference's."""
+    import numpy as np
+
+    paths = {b: tmp_path / f"{b}.npy" for b in ("cpu", "ascend910")}
+    for backend, out in paths.items():
+        assert cli(["logits", "--model", str(v41_tiny_ckpt), "--backend", backend, "--ids", "1,2,3,4,5",
+                    "--out", str(out)]) == 0
+    ref, dev = (np.load(paths[b]) for b in ("cpu", "ascend910"))
+    assert ref.shape == dev.shape and np.isfinite(dev).all()
+    # W8A8 projections, W4A8 experts and bf16 elsewhere: measured 0.12 (conformance judges them step by step)
+    assert float(np.linalg.norm(ref - dev) / np.linalg.norm(ref)) < 0.25
 
 
-def test_cli_run_refuses_v41_with_one_line(tmp_path, capsys, v41_tiny_ckpt):
-    root = v41_tiny_ckpt
-    out = tmp_path / "logits.npy"
-    assert cli(["logits", "--model", str(root), "--backend", "ascend910", "--ids", "1,2,3", "--out", str(out)]) == 2
-    captured = capsys.readouterr()
-    error = [line for line in captured.err.splitlines() if line.startswith("dsv4gen logits: error: ")]
-    assert len(error) == 1 and REFUSAL in error[0]
-    assert "Traceback" not in captured.err and captured.out == "" and not out.exists()
-
-
-def test_plan_lists_runnable_variants_only():
-    # ascend910's PLAN.md has a fused-kernel table (one row per variant); no PLAN.md names v41-flash
-    assert "flash-0731" in (generated_dir("ascend910") / "PLAN.md").read_text(encoding="utf-8")
-    for backend in ("cpu", "ascend910", "ascend310p", "hip936"):
-        assert "v41-flash" not in (generated_dir(backend) / "PLAN.md").read_text(encoding="utf-8")
+def test_plan_tables_the_fused_kernels_for_v41_too():
+    """ascend910's PLAN.md lists each fused kernel per variant: V4.1-Flash keeps the fused router and takes the
+    composites where its shapes or ratios fail the kernels' limits."""
+    plan = (generated_dir("ascend910") / "PLAN.md").read_text(encoding="utf-8")
+    rows = [line for line in plan.splitlines() if line.startswith("| `v41-flash` |")]
+    assert len(rows) == 5 and rows.count("| `v41-flash` | fused |") == 1
+    assert sum("compress_ratios in {0, 4, 128} (found (0, 0, 2, 2" in r for r in rows) == 2
 
 
 # ---------------------------------------------------------------- dsv4gen diff --spec
@@ -346,12 +336,6 @@ def test_spec_diff_reads_as_v41_config_differences(tmp_path):
     assert lines[-2] == ("  inventory: flash-0731 72,317 tensors, 166,878,536,440 bytes; "
                          "v41-flash 96,085 tensors, 510,286,023,000 bytes")
     assert variant_diff(SPEC_DIR, SPEC_DIR) == []
-
-
-def test_plan_is_planning_only_for_v41(capsys):
-    # the planner sizes V4.1's memory (tests/planner/test_v41_plan.py) and says the runtime cannot run it
-    assert cli(["plan", "--variant", "v41-flash", "--backend", "ascend910"]) == 0
-    assert f"PLANNING ONLY: {REFUSAL}" in capsys.readouterr().out.replace("\n  ", " ")
 
 
 def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):

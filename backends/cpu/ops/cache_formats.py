@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from lib.quant.kv_simulation import fp4_index, fp8_window
-
-FORMATS = {"fp8_window": fp8_window, "fp4_index": fp4_index}
+from lib.quant.kv_simulation import simulated
 
 
 def simulate_format(x: torch.Tensor, format: str) -> torch.Tensor:
     """x [..., D] -> the same values as `format` holds them, fp32."""
-    if format not in FORMATS:
-        raise ValueError(f"simulate_format: unknown format {format!r} (accepted: {', '.join(FORMATS)})")
-    return FORMATS[format](x.float()).float()
+    return simulated(format)(x.float()).float()

@@ -16,7 +16,7 @@ import math
 import torch
 
 from backends.cpu.ops.basic import wide
-from lib.weights.engram_table import EngramShard
+from lib.weights.engram_table import EngramShard, layer_lookup
 
 GATE_FLOOR = 1e-6     # |dot| is floored before the square root: a zero dot gives sigmoid(1e-3) (§4.6), never NaN
 
@@ -56,11 +56,9 @@ def engram_inject(x: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weig
     return (xw + g.unsqueeze(-1) * value.unsqueeze(1)).float()
 
 
-def engram_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, layer_ids, shard: int,
+def engram_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, layer_ids, tables, shard: int,
                   shards: int) -> torch.Tensor:
     """The graph's `engram_lookup`: the rows this layer's column of the batch's hash ids [T, L, C] names -> [T, C, E]
-    fp32; `table` holds rank `shard`'s contiguous block of the table's rows (all of them in one process), rows
-    another rank holds are zeros."""
-    held = table.weight.shape[0]
-    rank_rows = EngramShard(table.weight, table.scale, shard * held, held * shards)
-    return rank_rows.lookup(ids[:, list(layer_ids).index(layer_index)])
+    fp32 (lib/weights/engram_table.py layer_lookup: this rank's block of rows, zeros for the others')."""
+    return layer_lookup(ids, table, layer_index=layer_index, layer_ids=layer_ids, tables=tables, shard=shard,
+                        shards=shards)
