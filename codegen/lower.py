@@ -47,9 +47,11 @@ class Rewrite(NamedTuple):
     never has one. `calls`: op -> "module:function" called instead of the profile's lowering
     ("op@kernel": instead of the lowering of fused kernel `kernel`);
     `kwargs`: op -> {keyword: Python expression, or "module:function" for a function} set on (or
-    added to) every call of the op."""
+    added to) every call of the op; `args`: program -> {a step's first output -> {its input port -> the value it
+    reads instead}} (a graph wired wrong, as a port's hand-written forward was)."""
     calls: Mapping[str, str] = {}
     kwargs: Mapping[str, Mapping[str, str]] = {}
+    args: Mapping[str, Mapping[str, Mapping[str, str]]] = {}
     runtime_formats: Mapping[str, str] = {}     # tensor class -> runtime format (generated loader)
     expert_modes: Mapping[str, str] = {}        # expert mode -> runtime format of class routed_expert
     converters: Mapping[str, str] = {}          # runtime format -> converter, added or replaced
@@ -137,7 +139,8 @@ class _Lowerer:
             if not step.when.matches(kind) or i in pairs.values():
                 continue                                     # a pair's second linear was made with its first
             where = self.lg.where(name, i)
-            args = [self.value(v, env, pkeys, scope, where, kind) for v in step.args.values()]
+            wired = self.rewrite.args.get(name, {}).get(step.out[0], {}) if step.out else {}
+            args = [self.value(wired.get(port, v), env, pkeys, scope, where, kind) for port, v in step.args.items()]
             if i in pairs:
                 second = prog.steps[pairs[i]]
                 pair = self.pair_of(step, second)

@@ -99,7 +99,7 @@ def _cmd_conformance(args) -> int:
 
     if args.list_injections:
         for bug, inj in CATALOGUE.items():
-            print(f"{bug}  {inj.what}  [{', '.join(inj.backends)}]")
+            print(f"{bug}  {inj.what}  [{', '.join(inj.backends)}; {', '.join(inj.models)}]")
         return 0
     if args.backend is None:
         raise ValueError("--backend is required (accepted: ascend310p, ascend910, hip936)")

@@ -59,8 +59,10 @@ def check_sizes(cfg, tp: int, ep: int) -> int:
         if value % tp:
             raise ValueError(f"tensor parallel size {tp} does not divide {key} ({value}); accepted TP sizes: "
                              f"{[t for t in (1, 2, 4, 8, 16) if all(v % t == 0 for v in divides.values())]}")
-    if cfg.n_routed_experts % ep:
-        raise ValueError(f"expert parallel size {ep} does not divide n_routed_experts ({cfg.n_routed_experts})")
+    for key in ("n_routed_experts", "dspark_n_routed_experts"):      # V4.1's DSpark stages split their own
+        value = getattr(cfg, key)
+        if value is not None and value % ep:
+            raise ValueError(f"expert parallel size {ep} does not divide {key} ({value})")
     return world
 
 

@@ -31,6 +31,7 @@ from lib.guard.capability import CapabilityGuard, rules_from_profile
 from lib.porting.conformance_accuracy import accuracy_checks
 from lib.porting.conformance_engine import (DraftReference, draft_checks, drafter_model, engine_checks,
                                             has_dspark_drafter, reference_draft)
+from lib.porting.conformance_v41 import BLOCK_TABLE, block_calls, collapse_check, engram_ids_check
 from lib.porting.conformance_ops import SELECTION_MISMATCH, checked_ops, device_calls, op_call, op_checks, run_ops
 from lib.porting.conformance_paged import (SUBLAYER_TABLES, batch_checks, copy_pools, new_store, paged_run, placement_check,
                                            recording_step, state_check)
@@ -39,6 +40,7 @@ from lib.quant.reference_formats import resolve
 from lib.records.batch import make_batch
 from lib.runtime.loaded_model import Model, load_model
 from lib.weights.params import LoadOptions
+from lib.weights.checkpoint import Checkpoint
 from spec.profile import load_profile
 
 
@@ -157,7 +159,8 @@ def sublayer_checks(results, budgets: dict, flipped: list[torch.Tensor] | None =
         budget = budgets[key.split()[0]].budget
         median = e.median().item() if e.numel() else float("nan")      # nothing left to judge: fails
         share = (e > OUTLIER_FACTOR * budget).float().mean().item() if e.numel() else 0.0
-        ok = median <= budget and share <= OUTLIER_SHARE and left_out.get(key, 0) <= selection_share * selecting.get(key, 0)
+        own_ok = key not in selecting or left_out.get(key, 0) <= selection_share * selecting[key]
+        ok = median <= budget and share <= OUTLIER_SHARE and own_ok
         left = f"; {left_out[key]} selecting otherwise left out" if left_out.get(key) else ""
         unit = "rows" if key.endswith("entries") else "tokens"
         checks.append(Check(f"{key}: median {unit[:-1]} error / outliers ({e.numel()} {unit}{left})",
@@ -170,7 +173,7 @@ class ReferenceRun(NamedTuple):
     prompt: list[int]
     tokens: list[int]                  # greedy tokens; token s follows logits s
     logits: list[torch.Tensor]         # last-row logits after the prompt and after each token
-    sublayer_calls: list               # recorded attention / MoE sub-layer calls
+    sublayer_calls: list               # recorded attention / MoE sub-layer calls (and V4.1's block calls)
     op_calls: list                     # recorded calls of the ops checked op by op (checked_ops)
     draft: DraftReference | None       # greedy draft blocks over prompt + tokens (None: no DSpark drafter)
     state: dict                        # its live rows at the end (every token fed but the last)
@@ -187,7 +190,8 @@ def reference_run(model_path, steps: int = 32, prompt_len: int = 24) -> Referenc
         recorded = list(code.model.RECORDED)
         tokens = [int(torch.argmax(x[-1])) for x in logits]
         draft = reference_draft(ref, prompt + tokens)
-    calls = [(table, kind, args, out) for table, kind, args, _, out in recorded if table in SUBLAYER_TABLES]
+    calls = [(table, kind, args, out) for table, kind, args, _, out in recorded
+             if table in SUBLAYER_TABLES or table == BLOCK_TABLE]
     op_calls = [(op, args, kwargs, out) for table, op, args, kwargs, out in recorded if table == "op"]
     return ReferenceRun(prompt, tokens, logits, calls, op_calls, draft, state)
 
@@ -241,7 +245,8 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
     stages = stages or Stages.quiet()
     if stages.enabled and stages.total is None:    # the device's six stages, the reference's, the drafter's
         draft = reference.draft is not None if reference else has_dspark_drafter(model_path)
-        stages.total = 6 + (reference is None) + draft + (accuracy > 0)
+        v41 = Checkpoint(model_path).config.model_type == "deepseek_v41"    # + its block wiring stage
+        stages.total = 6 + (reference is None) + draft + (accuracy > 0) + v41
     if reference is None:
         with stages(f"cpu reference ({prompt_len}-token prompt + {steps} greedy steps, calls recorded)"):
             reference = reference_run(model_path, steps, prompt_len)
@@ -252,7 +257,7 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
     def done() -> bool:
         return stop_on_failure and not all(c.passed for c in checks)
 
-    with injection(inject, backend) as fault:
+    with injection(inject, backend, Checkpoint(model_path).config.model_type) as fault:
         options = fault.options(LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1))
         with stages(f"loading the {backend} model" + (f" (experts {expert_mode})" if expert_mode else "")):
             dev = load_model(model_path, backend, options=options, code=fault.code)
@@ -272,6 +277,14 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
         checks += op_checks(op_results, profile, Check)
         selection_share, agree_share = SELECTION_ALLOWANCE[dev.cfg.model_type]
         checks += sublayer_checks(results, budgets, selection_share=selection_share)
+        blocks = block_calls(reference.sublayer_calls)
+        if blocks:
+            with stages(f"block wiring ({len(blocks)} recorded V4.1 blocks, their input collapse)"):
+                rewrite = fault.injection.rewrite(backend) if fault.injection and fault.injection.rewrite else None
+                checks.append(collapse_check(blocks, model_path, backend, options, rewrite, budgets["attention"].budget,
+                                             Check, OUTLIER_FACTOR, OUTLIER_SHARE, _token_errors, _to))
+        engram = engram_ids_check(dev, model_path, prompt + tokens, Check)
+        checks += [engram] if engram is not None else []
         if done():
             return Report(backend, tuple(checks + [guard_check(guard)]))
         with stages(f"paged teacher-forced decode ({len(tokens)} steps under the guard behind another sequence, "

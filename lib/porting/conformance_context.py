@@ -37,6 +37,7 @@ from lib.records.batch import make_batch
 from lib.runtime.loaded_model import Model, generated, load_model
 from lib.runtime.paged_step import paged_step
 from lib.weights.params import LoadOptions
+from lib.weights.checkpoint import Checkpoint
 from spec.profile import load_profile
 
 FLASH_WINDOW, FLASH_RATIOS = 128, (4, 128)
@@ -111,7 +112,7 @@ def _run(backend: str, model_path, context: int, steps: int, chunk: int, ep_sim:
             reference = context_reference(model_path, context, steps, chunk)
     context, steps = len(reference.ids), len(reference.tokens)
     guard = CapabilityGuard(rules_from_profile(profile), mode="count")
-    with injection(inject, backend) as fault:
+    with injection(inject, backend, Checkpoint(model_path).config.model_type) as fault:
         options = fault.options(LoadOptions(expert_mode=expert_mode, ep_size=ep_sim, ep_simulate=ep_sim > 1))
         # the replays run a rendering of the device's code (with the injected bug, if any) that records
         # its own index_select calls: the selections its sub-layers actually made

@@ -1,14 +1,16 @@
 """The fault-injection catalogue: field bugs (data/porting-lessons.yaml B01-B22) re-introduced into a
 backend's code path, so conformance can prove it catches each one; four pitfalls of the fused kernels
 (F01-F04: a fused path's own wrong turn, ascend910; F03 shows only where the fused compressor runs, in
-`--context` conformance); and two long-context bugs (C01, C02, lib/porting/state_faults.py) that only
-`--context` conformance can see.
+`--context` conformance); two long-context bugs (C01, C02, lib/porting/state_faults.py) that only
+`--context` conformance can see; and DeepSeek-V4.1's own pitfalls (V01-V03, lib/porting/v41_faults.py), which
+only a V4.1 checkpoint exercises.
 
 Nothing is patched. A bug reaches the backend the way the field port carried it, through one of
 the code's explicit fault sites: the generated code rendered again with the wrong call, argument
 or runtime-format table (codegen Rewrite, into a temporary package the device model is loaded
 from); the loader's LoadFaults (the stored bytes as the port read them, TP slicing, the EP map);
-the paged state's address arithmetic (PagedSites, passed to PagedCache); the engine's logprob scorer. `with injection(bug, backend) as fault`
+the paged state's address arithmetic and pool sharing (PagedSites, passed to PagedCache); V4.1's Engram hash
+parameters (LoadFaults); the engine's logprob scorer. `with injection(bug, backend) as fault`
 yields what to pass where; conformance loads and runs only the device backend with it.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from codegen.lower import Rewrite
 from lib.engine.sampling import TokenLogprobs, token_logprobs
 from lib.porting import state_faults as state
+from lib.porting import v41_faults as v41
 from lib.porting.rendering import rendered
 from lib.quant import bit_codecs, reference_formats
 from lib.quant.runtime_formats import W8A8, to_w4a8_channel, to_w8a8_group, to_w8a8_row
@@ -35,6 +38,7 @@ from spec.fused import chosen
 ALL = ("ascend310p", "ascend910", "hip936")
 GMM = ("ascend310p", "ascend910")
 PRECONVERTED = ("ascend310p",)
+V41 = ("deepseek_v41",)
 
 
 class Injection(NamedTuple):
@@ -48,6 +52,7 @@ class Injection(NamedTuple):
     min_tp: int = 1                  # TP size the bug site needs: B05 shows only on a rank past 0 of TP >= 2
     min_context: int = 0             # positions before the bug changes anything (C01, C02: long-context conformance)
     strict_widths: bool = False      # conformance keeps the fused kernels' width limits (F02: the bug is skipping them)
+    models: tuple[str, ...] = ("deepseek_v4",)   # the generations (config model_type) whose code has the bug site
 
     @property
     def load_only(self) -> bool:
@@ -297,25 +302,35 @@ CATALOGUE: dict[str, Injection] = {
                      rewrite=_rewrite(calls={"index_select": "lib.porting.state_faults:last_block_top_k",
                                              "index_select@indexer": "lib.porting.state_faults:last_block_top_k"}),
                      min_context=state.C02_SHOWS_FROM),
+    # DeepSeek-V4.1's own pitfalls (lib/porting/v41_faults.py)
+    "V01": Injection("V01", "a layer after a KV source reads its own never-written pools instead of its source's",
+                     ALL, paged=PagedSites(reused_pools=v41.own_unwritten_pools), models=V41),
+    "V02": Injection("V02", "Engram bucket primes handed to each order's heads in reverse (wrong prime per head)",
+                     ALL, load=LoadFaults(engram_params=v41.reversed_head_primes), models=V41),
+    "V03": Injection("V03", "each sub-layer's streams collapsed with its own pre, not the previous sub-layer's",
+                     ALL, rewrite=_rewrite(args=v41.OWN_PRE_WIRING), models=V41),
 }
 
-def check(bug: str, backend: str) -> Injection:
+def check(bug: str, backend: str, model_type: str | None = None) -> Injection:
     if bug not in CATALOGUE:
         raise ValueError(f"unknown injection '{bug}' (accepted: {', '.join(CATALOGUE)})")
     inj = CATALOGUE[bug]
     if backend not in inj.backends:
         raise ValueError(f"{bug} has no bug site on backend {backend} (it applies to {', '.join(inj.backends)})")
+    if model_type is not None and model_type not in inj.models:
+        raise ValueError(f"{bug} has no bug site in a {model_type} checkpoint's code path (it applies to "
+                         f"{', '.join(inj.models)} checkpoints)")
     return inj
 
 
 @contextlib.contextmanager
-def injection(bug: str | None, backend: str):
-    """Yield the Faulted record that puts `bug` in place on `backend` (the correct code for None);
-    a rendered package lives in a temporary folder for the duration of the block."""
+def injection(bug: str | None, backend: str, model_type: str | None = None):
+    """Yield the Faulted record that puts `bug` in place on `backend` (the correct code for None) for a checkpoint of
+    `model_type` (None: not checked); a rendered package lives in a temporary folder for the duration of the block."""
     if bug is None:
         yield Faulted(None, None)
         return
-    inj = check(bug, backend)
+    inj = check(bug, backend, model_type)
     if inj.rewrite is None:
         yield Faulted(inj, None)
         return

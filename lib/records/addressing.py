@@ -55,12 +55,19 @@ def group_of(tables: tuple[GroupTable, ...], ratio: int) -> GroupTable:
     raise ValueError(f"no block table of ratio {ratio} (have: {', '.join(str(g.ratio) for g in tables)})")
 
 
+def reused_pools(source, own):
+    """The pools a V4.1 compressed layer that makes no KV of its own reads: its own window with the latest KV source's
+    compressor and key pools, the same tensors, so it reads what the source wrote this step (V41-REFERENCE §3.5)."""
+    return own._replace(comp=source.comp, index=source.index)
+
+
 class PagedSites(NamedTuple):
     """The paged state's address arithmetic, passed in explicitly (the runtime builds batches with
     the correct functions; conformance passes field bugs B12-B14 through here)."""
     physical_slots: Callable = physical_slots    # block table -> pool rows (L19)
     entry_ids: Callable = entry_ids              # tokens -> the entries they complete
     group_of: Callable = group_of                # a layer's block tables
+    reused_pools: Callable = reused_pools        # what a V4.1 layer after a KV source reads (its source's pools)
 
 
 class EntryWrites(NamedTuple):

@@ -140,8 +140,11 @@ def load_model(path: Path | str, backend: str = "cpu", progress: bool = False,
     cfg = msgspec.structs.replace(cfg, fused=choose(facts.fused, cfg, relax_widths=widths_relaxed()))
     params = code.loader.load(ckpt, progress=progress, options=options)
     forward = getattr(code.model, FORWARDS.get(ckpt.config.model_type, "forward"))
+    hashing = engram_hashing(ckpt.config, Path(path))
+    if hashing is not None and options.faults.engram_params is not None:
+        hashing = hashing._replace(params=options.faults.engram_params(hashing.params))
     return Model(backend, cfg, params, rope_tables(ckpt.config), forward, Path(path), facts,
-                 drafter_kind(ckpt.config), code.model, code.state, engram_hashing(ckpt.config, Path(path)))
+                 drafter_kind(ckpt.config), code.model, code.state, hashing)
 
 
 # each model generation's generated forward (codegen/lower.py ENTRY_FUNCTIONS)

@@ -67,7 +67,7 @@ class PagedCache:
         self.device = device
         tensors = {(s.owner, s.item): mapped_zeros(s.shape, s.dtype, device) for s in self.shapes}
         self._layer_infos = tuple(model.layers)
-        self.layers = _backbone_pools(tensors, model.layers)
+        self.layers = _backbone_pools(tensors, model.layers, sites)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
                            for layer in (model.stages if rings else ()))
         # the ring sizes a step's rows are built for (lib/records/addressing.py with_step_rows): every
@@ -287,19 +287,17 @@ class PagedCache:
 
     # ---- inspection ----------------------------------------------------------------------------
     def live_rows(self, seq_id) -> dict[str, torch.Tensor]:
-        """Every row the sequence's committed length L can still read, by "<owner>.<item>": window
-        and drafter rings of positions [L - W, L), compressor rings of the unfinished window (and,
-        overlapping, the one before), entries [0, L // m). What tests compare to show that
+        """Every row the sequence's committed length L can still read, by "<owner>.<item>" of the layer that reads
+        it: window and drafter rings of positions [L - W, L), compressor rings of the unfinished window (and,
+        overlapping, the one before), entries [0, L // m) (a V4.1 layer after a KV source: the source's). What tests compare to show that
         rejected positions left no trace."""
         seq = self._seq(seq_id)
         length, window, out = seq.length, self.cfg.sliding_window, {}
-        owns = {f"layer{layer.index}": layer.kv_source for layer in self._layer_infos} | {
-            f"stage{stage}": False for stage in range(len(self.rings))}
         for owner, pools, ratio, overlap in self._owners():
             if pools.window is not None:
                 out[f"{owner}.window"] = _ring_read(pools.window, seq.slot, max(0, length - window), length)
             for name, comp in (("comp", pools.comp), ("index", pools.index)):
-                if comp is None or not owns[owner]:        # a V4.1 layer reading its source's pools: listed there
+                if comp is None:            # a V4.1 layer after a KV source lists the source's rows it reads
                     continue
                 lo = max(0, length // ratio * ratio - (ratio if overlap else 0))
                 if comp.state is not None:
@@ -385,16 +383,15 @@ def _layer_pools(tensors: dict, owner: str, ratio: int) -> LayerPools:
     return LayerPools(tensors.get((owner, "window")), compressor("comp"), compressor("index"))
 
 
-def _backbone_pools(tensors: dict, layers) -> tuple[LayerPools, ...]:
-    """Every backbone layer's pools; a compressed layer that makes no KV of its own (V4.1, after a KV source) gets
-    its own window with the latest source's compressor and key pools: the same tensors, so it reads what the
-    source wrote this step (V41-REFERENCE §3.5)."""
+def _backbone_pools(tensors: dict, layers, sites: PagedSites) -> tuple[LayerPools, ...]:
+    """Every backbone layer's pools; a compressed layer that makes no KV of its own (V4.1, after a KV source) reads
+    the latest source's compressor and key pools (sites.reused_pools: lib/records/addressing.py)."""
     out, source = [], None
     for layer in layers:
         pools = _layer_pools(tensors, f"layer{layer.index}", layer.ratio)
         if layer.kv_source:
             source = pools
         elif layer.ratio and source is not None:
-            pools = pools._replace(comp=source.comp, index=source.index)
+            pools = sites.reused_pools(source, pools)
         out.append(pools)
     return tuple(out)

@@ -41,6 +41,7 @@ class LoadFaults(NamedTuple):
     expert_placement: Callable | None = None   # EP expert map (lib/records/expert_placement.py)
     fused_choice: Callable | None = None       # (kernels, cfg, relax_widths) -> fused kernels chosen (spec/fused.py chosen)
     merged_layout: Callable | None = None      # (first key, the profile's layout) -> the layout the port merged with
+    engram_params: Callable | None = None      # V4.1 Engram hash parameters -> the ones the port hashed with
 
 
 class LoadOptions(NamedTuple):

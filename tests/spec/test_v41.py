@@ -352,3 +352,14 @@ def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):
     # the spec's drafter has no vocabulary copy (embed and head are shared, B16), so 2 FLOAT keys fewer
     assert parts["drafter"] == {"W4A8_DYNAMIC": 1_152 * 4, "W8A8_DYNAMIC": 18 * 3, "FLOAT": 56 - 2}
     assert sum(parts["drafter"].values()) == 4_718 - 2
+
+
+def test_ep_sizes_must_divide_the_drafters_own_experts_too():
+    """V4.1's DSpark stages route among their own experts (4 at v41-tiny, 128 at v41-flash), split across EP ranks
+    like the backbone's: EP 8 divides the tiny backbone's 8 experts but not the drafter's 4."""
+    from lib.distributed.process_group import check_sizes
+
+    assert check_sizes(variant_config("v41-tiny"), 1, 4) == 4
+    with pytest.raises(ValueError, match=re.escape("expert parallel size 8 does not divide dspark_n_routed_experts (4)")):
+        check_sizes(variant_config("v41-tiny"), 1, 8)
+    assert check_sizes(variant_config("v41-flash"), 8, 8) == 8
