@@ -16,19 +16,29 @@ from spec.config import ModelConfig
 from spec.tables import SPEC_DIR, Logical, expand, load_quant, load_tensor_table, with_format
 from spec.yamlio import SpecError, decode, load_yaml
 
-Label = Literal["FLOAT", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
+Label = Literal["FLOAT", "W8A8_DYNAMIC", "W4A8_DYNAMIC", "INT8_ROW32"]
 
 
-class Files(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class Files(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     description: str
     index: str
     shard: str
+    part_shards: dict[str, str] = {}            # an export part -> its own shard names (the drafter's `mtpq-*`)
+    tensor_files: dict[str, str] = {}           # an export part -> one file per tensor (the Engram tables)
     part_size_gib: float
     version: str
     config_drops: tuple[str, ...]
 
-    def shard_name(self, index: int, count: int) -> str:
-        return self.shard.format(index=index, count=count)
+    def shard_name(self, index: int, count: int, part: str = "backbone") -> str:
+        return self.part_shards.get(part, self.shard).format(index=index, count=count)
+
+    def tensor_file(self, part: str, key: str) -> str | None:
+        """The file of its own a tensor of `part` is written to (None: the part's shards)."""
+        pattern = self.tensor_files.get(part)
+        if pattern is None:
+            return None
+        stem, _, suffix = key.rpartition(".")
+        return pattern.format(stem=stem.replace(".", "_"), suffix=suffix)
 
 
 class LabelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -36,6 +46,7 @@ class LabelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     format: str | None = None                   # storage format of a quantised weight
     down_format: str | None = None              # ... of a down projection
     formats: dict[str, str] = {}                # FLOAT: official format -> the format it is written in
+    classes: tuple[str, ...] = ()               # the tensor classes it applies to (default: quantisable linears)
 
 
 class Recipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -68,6 +79,7 @@ def load_msmodelslim(path: Path = SPEC_DIR / "msmodelslim.yaml") -> ModelSlimSpe
         if fmt not in formats:
             raise SpecError(f"{path}: names storage format '{fmt}', which quant.yaml does not define")
     for cls in (*spec.quantisable, *(c for r in spec.recipes.values() for c in r.classes),
+                *(c for lab in spec.labels.values() for c in lab.classes),
                 *(c for part in spec.parts.values() for c in part.classes)):
         if cls not in classes:
             raise SpecError(f"{path}: names tensor class '{cls}', which tensors.yaml does not define")
@@ -75,11 +87,13 @@ def load_msmodelslim(path: Path = SPEC_DIR / "msmodelslim.yaml") -> ModelSlimSpe
 
 
 def allowed_labels(logical: Logical) -> tuple[str, ...]:
-    """The labels a ModelSlim export may give this tensor."""
+    """The labels a ModelSlim export may give this tensor: a label's `classes` (where it names some) and the
+    quantisable classes' linears."""
     spec = load_msmodelslim()
-    if logical.entry.tensor_class in spec.quantisable and len(logical.shape) == 2:
-        return tuple(spec.labels)
-    return ("FLOAT",)
+    cls = logical.entry.tensor_class
+    linear = cls in spec.quantisable and len(logical.shape) == 2
+    return tuple(name for name, lab in spec.labels.items()
+                 if name == "FLOAT" or (cls in lab.classes if lab.classes else linear))
 
 
 def format_for(logical: Logical, label: str) -> str:

@@ -34,6 +34,12 @@ def decode_fp8_row32(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.
     return codecs.dequant_fp8_block(parts["weight"], parts["scale"], block=(1, 32))
 
 
+def decode_int8_row32(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    # int8 values times an fp32 scale per row per 32 channels (the field's Engram tables)
+    weight = parts["weight"]
+    return (weight.float().unflatten(-1, (-1, 32)) * parts["scale"].float().unsqueeze(-1)).flatten(-2)
+
+
 def decode_mxfp4(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     return codecs.dequant_fp4_expert(parts["weight"], parts["scale"], group=32)
 
@@ -86,6 +92,14 @@ def encode_fp8_block(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tenso
 
 def encode_fp8_row32(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     weight, scale = codecs.quant_fp8_block(x.float(), block=(1, 32))
+    return {"weight": weight, "scale": scale}
+
+
+def encode_int8_row32(x: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    blocks = x.float().unflatten(-1, (-1, 32))
+    scale = blocks.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))          # an all-zero block: zeros, scale 0
+    weight = torch.round(blocks / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).flatten(-2)
     return {"weight": weight, "scale": scale}
 
 

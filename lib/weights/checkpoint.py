@@ -130,7 +130,7 @@ class Checkpoint:
         for shard in sorted(set(weight_map.values())):
             for key, entry in read_header(self.root / shard).items():
                 if weight_map.get(key) == shard:
-                    self.headers[key] = entry
+                    self.headers[key] = entry._replace(shard=shard)     # the index's name: a file may sit in a folder
         problems = self._problems(weight_map) + problems
         if problems:
             raise CheckpointError("\n".join(problems))

@@ -23,8 +23,10 @@ CHANNELS_PER_SCALE = 32
 
 class EngramShard(NamedTuple):
     """Rows [start, start + weight.shape[0]) of one Engram table."""
-    weight: torch.Tensor      # [rows of this rank, E] float8_e4m3fn, as stored (or the values, without a scale)
-    scale: torch.Tensor | None  # [rows of this rank, E / 32] E8M0 bytes, as stored; None: `weight` holds the values
+    weight: torch.Tensor      # [rows of this rank, E] float8_e4m3fn (the release) or int8 (the field's engram_int8/),
+                              # as stored; or the values, without a scale
+    scale: torch.Tensor | None  # [rows of this rank, E / 32] E8M0 bytes (FP8 rows) or fp32 (int8 rows), as stored;
+                                # None: `weight` holds the values
     start: int                # the first row this rank holds
     rows: int                 # rows of the whole table
 
@@ -41,9 +43,14 @@ class EngramShard(NamedTuple):
         local = ids.flatten() - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         at = torch.where(mine, local, torch.zeros_like(local))
-        rows = self.weight.index_select(0, at).float() if self.scale is None else \
-            dequant_fp8_block(self.weight.index_select(0, at), self.scale.index_select(0, at),
-                              block=(1, CHANNELS_PER_SCALE)).float()
+        weight = self.weight.index_select(0, at)
+        if self.scale is None:
+            rows = weight.float()
+        elif weight.dtype == torch.int8:             # int8 per 32 channels with an fp32 scale (the field's tables)
+            rows = (weight.float().unflatten(-1, (-1, CHANNELS_PER_SCALE))
+                    * self.scale.index_select(0, at).float().unsqueeze(-1)).flatten(-2)
+        else:
+            rows = dequant_fp8_block(weight, self.scale.index_select(0, at), block=(1, CHANNELS_PER_SCALE)).float()
         return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
 
 
@@ -63,8 +70,8 @@ def layer_lookup(ids: torch.Tensor, table: EngramShard, *, layer_index: int, lay
 
 def to_engram_rows(storage: str, parts: dict[str, torch.Tensor], cfg) -> EngramShard:
     """Runtime format `engram_rows` (spec/runtime.yaml): a table in one shard of all its (this rank's) rows, the
-    release's FP8 rows as stored, any other storage (a ModelSlim export's FLOAT table) decoded once."""
-    if storage == "fp8_row32":
+    release's FP8 rows or the field's int8 ones as stored, any other storage (a FLOAT table) decoded once."""
+    if storage in ("fp8_row32", "int8_row32"):
         weight = parts["weight"].contiguous()
         return EngramShard(weight, parts["scale"].contiguous(), 0, weight.shape[0])
     values = decode(storage, parts, cfg).float().contiguous()

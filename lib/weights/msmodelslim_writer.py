@@ -4,7 +4,9 @@ Each tensor takes the label its class has in the chosen recipe (spec/msmodelslim
 W4A8 weights are quantised by the same per-row quantiser the device loaders use on an official
 checkpoint (lib/quant/int_codecs.py), so loading the export gives the very integers and scales a
 load of the original computes; FLOAT tensors keep their stored bytes, or are dequantised to BF16
-where the original is FP8 / FP4 (exactly). Shards are written as the conversion goes (one part
+where the original is FP8 / FP4 (exactly). Each part of the export goes to its own files, as the field's V4.1
+release lays them out (spec/msmodelslim.yaml `files`): the backbone's shards, the drafter's `mtpq-*`, Engram's
+tables one file each under `engram_int8/`. Shards are written as the conversion goes (one part
 held in memory at a time) into a temporary folder that is moved into place only when complete.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tqdm import tqdm
 from lib.quant.reference_formats import decode, encode
 from lib.weights.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from lib.weights.checkpoint_writer import publish_dir
-from spec.msmodelslim import allowed_labels, format_for, load_msmodelslim, recipe_label
+from spec.msmodelslim import allowed_labels, format_for, load_msmodelslim, part_of, recipe_label
 from spec.tables import Logical, with_format
 
 
@@ -42,34 +44,42 @@ def convert(model: Path | str, out: Path | str, quant_type: str = "w8a8", part_s
 
     def write(tmp: Path) -> None:
         labels: dict[str, str] = {}
-        shard: dict[str, torch.Tensor] = {}
-        written: list[tuple[str, list[str]]] = []          # (temporary name, keys) per shard
-        total = held = 0
+        shards: dict[str, dict[str, torch.Tensor]] = {}      # part -> the shard being filled
+        held: dict[str, int] = {}
+        written: dict[str, list[tuple[str, list[str]]]] = {}  # part -> (temporary name, keys) per shard
+        weight_map: dict[str, str] = {}
+        total = 0
 
-        def flush() -> None:
-            nonlocal shard, held
-            if shard:
-                name = f"part-{len(written):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                written.append((name, list(shard)))
-                shard, held = {}, 0
+        def flush(part: str) -> None:
+            if shards.get(part):
+                name = f"{part}-{len(written.setdefault(part, [])):05d}.part"
+                save_file(shards[part], str(tmp / name), metadata={"format": "pt"})
+                written[part].append((name, list(shards[part])))
+                shards[part], held[part] = {}, 0
 
         for t in tqdm(ckpt.logical, desc="converting to msmodelslim", unit="tensor", disable=not progress, leave=False):
-            label = recipe_label(t, quant_type)
+            label, part = recipe_label(t, quant_type), part_of(t)
             for key, value in _stored(ckpt, t, label).items():
                 labels[key] = label
                 size = value.numel() * value.element_size()
-                if held and held + size > limit:
-                    flush()
-                shard[key] = value.contiguous()
-                held += size
                 total += size
-        flush()
-        weight_map = {}
-        for i, (name, keys) in enumerate(written):
-            final = spec.files.shard_name(i + 1, len(written))
-            os.replace(tmp / name, tmp / final)
-            weight_map.update({k: final for k in keys})
+                single = spec.files.tensor_file(part, key)
+                if single is not None:                      # a file of its own (the field's engram_int8/)
+                    (tmp / single).parent.mkdir(parents=True, exist_ok=True)
+                    save_file({key: value.contiguous()}, str(tmp / single), metadata={"format": "pt"})
+                    weight_map[key] = single
+                    continue
+                if held.get(part) and held[part] + size > limit:
+                    flush(part)
+                shards.setdefault(part, {})[key] = value.contiguous()
+                held[part] = held.get(part, 0) + size
+        for part in list(shards):
+            flush(part)
+        for part, parts in written.items():
+            for i, (name, keys) in enumerate(parts):
+                final = spec.files.shard_name(i + 1, len(parts), part)
+                os.replace(tmp / name, tmp / final)
+                weight_map.update({k: final for k in keys})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / spec.files.index).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         description = {"version": spec.files.version, "model_quant_type": spec.recipes[quant_type].model_quant_type,

@@ -41,7 +41,7 @@ def test_tensors_unknown_format(tmp_path):
     p = tensors(tmp_path, "format: bf16, tp: rows, class: head}", "format: bf61, tp: rows, class: head}")
     assert error_of(load_tensor_table, p) == (
         f"{p}:{line(p, 'bf61')}: unknown format 'bf61' for head.weight "
-        "(accepted: bf16, f32, fp8_block, fp8_row32, i64, mxfp4, routed_expert, w4a8_dynamic, w4a8_dynamic_down, w8a8_dynamic)")
+        "(accepted: bf16, f32, fp8_block, fp8_row32, i64, int8_row32, mxfp4, routed_expert, w4a8_dynamic, w4a8_dynamic_down, w8a8_dynamic)")
 
 
 def test_tensors_unknown_class(tmp_path):
@@ -150,7 +150,7 @@ def test_quant_selected_unknown_format(tmp_path):
     p = edit(QUANT, tmp_path / "quant.yaml", "fp8: fp8_block}", "fp8: fp8_blocks}")
     assert error_of(load_quant, p) == (
         f"{p}:{line(p, 'fp8_blocks')}: choice 'fp8' of 'routed_expert' names unknown format 'fp8_blocks' "
-        "(accepted: bf16, f32, i64, fp8_block, fp8_row32, mxfp4, w8a8_dynamic, w4a8_dynamic, w4a8_dynamic_down)")
+        "(accepted: bf16, f32, i64, fp8_block, fp8_row32, int8_row32, mxfp4, w8a8_dynamic, w4a8_dynamic, w4a8_dynamic_down)")
 
 
 # ---------------------------------------------------------------- spec/models/*.yaml

@@ -273,7 +273,13 @@ def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_
     assert ckpt.layout == "msmodelslim" and ckpt.config.model_type == "deepseek_v41"
     assert ckpt.config.quantization_config.weight_block_size == (32, 32) and ckpt.config.expert_dtype == "fp4"
     assert len(ckpt.logical) == len(Checkpoint(v41_tiny_ckpt).logical)
-    # and runs on the reference: W4A8 experts, W8A8 projections and the FLOAT Engram tables decoded as stored
+    # laid out as the field's release: the drafter in mtpq-*, each Engram table and scale in a file of its own
+    index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text(encoding="utf-8"))["weight_map"]
+    assert {f for k, f in index.items() if k.startswith("mtp.")} == {"mtpq-00001.safetensors"}
+    assert index["layers.1.engram.embed.weight"] == "engram_int8/layers_1_engram_embed.weight.safetensors"
+    assert index["layers.1.engram.embed.scale"] == "engram_int8/layers_1_engram_embed.scale.safetensors"
+    assert {f for k, f in index.items() if ".engram." in k and ".embed." not in k} == {"engram_extra-00001.safetensors"}
+    # and runs on the reference: W4A8 experts, W8A8 projections and the int8 Engram tables as stored
     import torch
 
     from lib.runtime.loaded_model import load_model
@@ -283,6 +289,10 @@ def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_
     exact, slim = (prefill_logits(load_model(path, "cpu"), ids) for path in (v41_tiny_ckpt, out))
     assert bool(torch.isfinite(slim).all())
     assert float((slim - exact).norm() / exact.norm()) < 0.3           # measured 0.20
+    table = load_model(out, "cpu").params.layers[1]["engram.embed.weight"]
+    assert table.weight.dtype == torch.int8 and table.scale.dtype == torch.float32
+    on_910 = prefill_logits(load_model(out, "ascend910"), ids)                  # the field's target runs it too
+    assert bool(torch.isfinite(on_910).all()) and float((on_910 - exact).norm() / exact.norm()) < 0.5   # measured 0.20
 
 
 def test_cli_logits_runs_v41_on_a_device_backend(tmp_path, v41_tiny_ckpt):
@@ -352,6 +362,8 @@ def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):
     # the spec's drafter has no vocabulary copy (embed and head are shared, B16), so 2 FLOAT keys fewer
     assert parts["drafter"] == {"W4A8_DYNAMIC": 1_152 * 4, "W8A8_DYNAMIC": 18 * 3, "FLOAT": 56 - 2}
     assert sum(parts["drafter"].values()) == 4_718 - 2
+    # "engram_extra 6 / engram_int8 4": the two layers' W_e and gate weights, their int8 tables and scales
+    assert parts["engram_extra"] == {"FLOAT": 6} and parts["engram_int8"] == {"INT8_ROW32": 4}
 
 
 def test_ep_sizes_must_divide_the_drafters_own_experts_too():

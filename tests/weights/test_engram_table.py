@@ -38,3 +38,24 @@ def test_the_ranks_rows_sum_to_the_whole_tables_and_each_reads_only_its_own(v41_
         whole.lookup(torch.tensor([30058]))
     with pytest.raises(ValueError, match="no Engram table under layers.2.engram.embed.weight"):
         load_shard(ckpt, "layers.2")
+
+
+def test_int8_tables_as_the_field_stores_them_read_their_rows_exactly():
+    """The field's engram_int8/ tables: int8 rows with an fp32 scale per 32 channels (quant.yaml int8_row32); a rank's
+    block of rows returns the stored values times their scales, zeros for rows it does not hold, and a 3-rank split
+    of 10 rows (4, 4, 2) sums to the whole table."""
+    from lib.quant.reference_formats import decode_int8_row32, encode_int8_row32
+    from lib.weights.engram_table import EngramShard, layer_lookup
+
+    table = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+    parts = encode_int8_row32(table, None)
+    assert parts["weight"].dtype == torch.int8 and tuple(parts["scale"].shape) == (10, 2)
+    values = decode_int8_row32(parts, None)
+    assert float((values - table).abs().max()) <= float(parts["scale"].max()) / 2 + 1e-7   # half a step at most
+    ids = torch.tensor([[[0, 9, 4]], [[5, 3, 8]]])                                          # [T, 1 layer, 3 columns]
+    total = torch.zeros(2, 3, 64)
+    for rank in range(3):
+        lo, hi = shard_rows(10, rank, 3)
+        shard = EngramShard(parts["weight"][lo:hi], parts["scale"][lo:hi], 0, hi - lo)
+        total += layer_lookup(ids, shard, layer_index=1, layer_ids=(1,), tables=(10,), shard=rank, shards=3)
+    assert torch.equal(total, values[ids[:, 0]])

@@ -73,12 +73,15 @@ def test_export_loads_to_the_same_runtime_tensors(slim, tiny_ckpt, backend, quan
 def test_export_layout(slim, tiny_ckpt):
     root = slim["w4a8"]
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["config.json", "generation_config.json", DESC, "quant_model_weights-00001-of-00001.safetensors",
-                     INDEX, "tokenizer.json", "tokenizer_config.json"]
+    assert names == ["config.json", "generation_config.json", "mtpq-00001.safetensors", DESC,
+                     "quant_model_weights-00001-of-00001.safetensors", INDEX, "tokenizer.json", "tokenizer_config.json"]
     assert "quantization_config" not in json.loads((root / "config.json").read_text())
     desc = json.loads((root / DESC).read_text())
     assert (desc["version"], desc["model_quant_type"], desc["group_size"]) == ("1.0.0", "W8A8_DYNAMIC", 0)
-    weights = load_file(str(root / "quant_model_weights-00001-of-00001.safetensors"))
+    weights = load_file(str(root / "quant_model_weights-00001-of-00001.safetensors"))     # the backbone
+    drafter = load_file(str(root / "mtpq-00001.safetensors"))                                # the drafter apart
+    assert drafter and all(k.startswith("mtp.") for k in drafter) and not any(k.startswith("mtp.") for k in weights)
+    weights |= drafter
     assert set(weights) == set(json.loads((root / INDEX).read_text())["weight_map"]) == set(desc) - {
         "version", "model_quant_type", "group_size", "metadata"}
     # norms, hc, router, embed and head stay FLOAT in their own dtypes; an FP8 linear kept FLOAT is BF16
