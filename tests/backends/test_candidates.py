@@ -38,3 +38,18 @@ def test_reindex_scores_only_inside_the_kept_blocks():
     assert bool(torch.isinf(masked[0, 2:6]).all())
     with pytest.raises(ValueError, match="block \\(0\\) and topk_blocks \\(2\\) must be positive"):
         candidate_mask(scores, torch.tensor([7]), block=0, topk_blocks=2)
+
+
+def test_the_reference_selection_is_the_same_in_any_tiling(v41_tiny_ckpt, monkeypatch):
+    """The reference's shared_index_select scores one tile of whole candidate blocks at a time: with tiles of 2
+    entries (one candidate block) instead of one tile of every entry, a 40-token prefill's logits are the same
+    bit for bit (selections and candidate blocks alike)."""
+    from backends.cpu.ops import indexer
+    from lib.runtime.loaded_model import load_model
+    from lib.runtime.paged_step import prefill_logits
+
+    model = load_model(v41_tiny_ckpt, "cpu")
+    ids = torch.randint(0, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    whole = prefill_logits(model, ids)
+    monkeypatch.setattr(indexer, "block_size", lambda *args, **kwargs: 1)        # rounded up to one block (2)
+    assert torch.equal(prefill_logits(model, ids), whole)

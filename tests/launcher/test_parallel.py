@@ -44,8 +44,8 @@ def test_layout_decodes_like_one_process_with_and_without_dspark(tiny_ckpt, refe
 
 @pytest.mark.parametrize("tp, ep, dispatch", LAYOUTS)
 def test_v41_layout_decodes_like_one_process_with_and_without_dspark(v41_tiny_ckpt, references, tp, ep, dispatch):
-    """DeepSeek-V4.1 on the reference: the heads split across TP ranks, the Engram table's rows split like the
-    embedding's (each rank's lookup zero elsewhere, one all-reduce), the backbone's and the DSpark stages' own
+    """DeepSeek-V4.1 on the reference: the heads split across TP ranks, the Engram table's rows in blocks of
+    ceil(rows / TP) (each rank's lookup zero elsewhere, one all-reduce), the backbone's and the DSpark stages' own
     experts split across EP ranks; the KV sources' pools and the carried selection whole on every rank."""
     results = parallel_check.check(v41_tiny_ckpt, "cpu", tp, ep, dispatch, steps=16, prompts=PROMPTS,
                                    reference=references.setdefault("v41", {}))
@@ -53,6 +53,16 @@ def test_v41_layout_decodes_like_one_process_with_and_without_dspark(v41_tiny_ck
     for r in results:
         assert r.first_difference is None, r.line()
         assert all(len(tokens) == 16 for tokens in r.parallel)
+
+
+def test_v41_on_ascend910_with_tp_and_ep_together_decodes_like_one_process(v41_tiny_ckpt):
+    """The field's model on the field's target: V4.1 on ascend910 with TP=2 and EP=2 over all-to-all, its
+    composites (the shared KV's selection gathering every head, Engram's rows summed across ranks) exact, 16 steps
+    of one prompt with and without DSpark."""
+    results = parallel_check.check(v41_tiny_ckpt, "ascend910", 2, 2, "alltoall", steps=16, prompts=PROMPTS[:1])
+    assert [r.speculative for r in results] == ["none", "dspark"]
+    for r in results:
+        assert r.first_difference is None, r.line()
 
 
 def test_device_tp_and_ep_together_decode_like_one_process(tiny_ckpt):

@@ -59,3 +59,23 @@ def test_int8_tables_as_the_field_stores_them_read_their_rows_exactly():
         shard = EngramShard(parts["weight"][lo:hi], parts["scale"][lo:hi], 0, hi - lo)
         total += layer_lookup(ids, shard, layer_index=1, layer_ids=(1,), tables=(10,), shard=rank, shards=3)
     assert torch.equal(total, values[ids[:, 0]])
+
+
+def test_tp_splits_an_engram_table_no_tp_size_divides_into_ceil_blocks():
+    """tensors.yaml `tp: row_blocks`: V4.1-Flash's second table has 384,016,682 rows, which neither TP 4 nor TP 8
+    divides; each rank reads its block of ceil(rows / TP) rows (the last one short) and its scales' same rows."""
+    from lib.weights.tp_slices import check_tp, part_index
+    from spec.tables import expand
+    from spec.variants import variant_config
+
+    cfg = variant_config("v41-flash")
+    logical = expand(cfg)
+    table = next(t for t in logical if t.key == "layers.14.engram.embed.weight")
+    assert table.shape[0] == 384_016_682 and table.shape[0] % 4 and table.shape[0] % 8
+    for tp in (4, 8):
+        check_tp(cfg, logical, tp, 0)                     # no refusal
+        blocks = [part_index(table, cfg, tp, rank) for rank in range(tp)]
+        spans = [(b["weight"].start, b["weight"].stop) for b in blocks]
+        assert spans == [shard_rows(table.shape[0], rank, tp) for rank in range(tp)]
+        assert all(b["scale"][1:] == b["weight"][1:] for b in blocks)          # the same rows of the scales
+        assert spans[-1][1] == table.shape[0] and spans[-1][1] - spans[-1][0] < spans[0][1] - spans[0][0]

@@ -23,10 +23,18 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, topk
     if n == 0:                                  # no entry complete yet: nothing to keep
         return torch.zeros(t, 0, dtype=torch.bool)
     padded = torch.nn.functional.pad(scores.float(), (0, -n % block), value=-torch.inf)
-    best = padded.view(t, -1, block).amax(-1)                                    # [T, blocks]
-    blocks = best.shape[1]
+    return kept_entries(padded.view(t, -1, block).amax(-1), visible, block, topk_blocks, n)
+
+
+def kept_entries(best: torch.Tensor, visible: torch.Tensor, block: int, topk_blocks: int, n: int) -> torch.Tensor:
+    """best [T, blocks]: each block's best score (-inf: nothing visible in it) -> [T, n] bool, True at the entries
+    of the blocks kept: the newest visible block always, then the best topk_blocks of the rest by score."""
+    t, blocks = best.shape
+    if blocks == 0:
+        return torch.zeros(t, n, dtype=torch.bool)
     newest = ((visible - 1).clamp(min=0) // block).clamp(max=blocks - 1)
-    best = best.scatter(1, newest.unsqueeze(1), torch.where(visible > 0, torch.inf, -torch.inf).unsqueeze(1))
+    forced = torch.where(visible > 0, torch.inf, -torch.inf).to(best.dtype).unsqueeze(1)
+    best = best.scatter(1, newest.unsqueeze(1), forced)
     order = torch.sort(-best, dim=1, stable=True).indices[:, : min(topk_blocks, blocks)]   # best first, lower id at a tie
     kept = torch.zeros(t, blocks, dtype=torch.bool).scatter(1, order, best.gather(1, order) > -torch.inf)
     return kept.repeat_interleave(block, dim=1)[:, :n]

@@ -14,7 +14,7 @@ import torch
 
 from backends.cpu.ops import indexer
 from backends.cpu.ops.basic import wide
-from backends.cpu.ops.candidates import candidate_mask, reindex_scores
+from backends.cpu.ops.candidates import kept_entries
 from backends.cpu.ops.compressor import store_rows, window_rows
 from backends.cpu.ops.latent_entries import latent_entries
 from lib.distributed import process_group as parallel
@@ -55,21 +55,39 @@ def index_start(batch: Batch) -> tuple[None, None]:
 def shared_index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Tensor,
                         candidates: torch.Tensor | None, *, topk: int, ratio: int, weight_scale: float,
                         candidate_source: bool, block: int | None, topk_blocks: int | None, group=None):
-    """-> (selection [T, topk] int64 sequence-local entry ids, ascending, -1 = none; candidates [T, N] bool or None).
+    """-> (selection [T, topk] int64 sequence-local entry ids, ascending, -1 = none; candidates [T, N] bool or None,
+    N the batch's most entries).
 
-    q [T, Hi, Di] (rotated, FP4-simulated), weights [T, Hi] unscaled, keys the latest source's key pool. Every
-    query's scores over every entry its sequence has (N: the batch's most) are held at once: the candidate
-    blocks need all of them."""
+    q [T, Hi, Di] (rotated, FP4-simulated), weights [T, Hi] unscaled, keys the latest source's key pool. The entries
+    are scored one tile at a time with a running top-k, as V4's indexer (indexer.select: lower ids first at a tie),
+    so a query's scores are never all held: a tile is whole candidate blocks, whose best scores the candidate
+    source keeps ([T, blocks]) to choose its blocks after the last tile, and a reindex layer scores only inside
+    the kept blocks (its own top-k then; the candidate source's own top-k uses every score)."""
     q, weights = parallel.gather_heads(q, weights, group)
-    scores = indexer.all_scores(q, weights, batch, keys, ratio=ratio, weight_scale=weight_scale)     # [T, N], -inf
+    addr, t = batch.state, q.shape[0]
+    total, limit = addr.max_entries[ratio], (batch.positions + 1) // ratio                 # visible ids < limit
+    ws = weights.to(wide.dtype) * weight_scale
+    n = indexer.block_size(t, q.shape[1], q.shape[2])
+    if candidate_source or candidates is not None:
+        n = -(-n // block) * block                                      # whole candidate blocks per tile
+    if candidates is not None and not candidate_source:
+        candidates = torch.nn.functional.pad(candidates, (0, -total % n))         # False past the last entry
+    best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)        # k empty slots below every id
+    best = torch.full((t, topk), float("-inf"), dtype=wide.dtype)
+    maxima = []
+    for lo in range(0, total, n):
+        ids = torch.arange(lo, lo + n, dtype=torch.int64)
+        scores = indexer.block_scores(q, ws, indexer._keys(addr, keys, ratio, ids))
+        scores = scores.masked_fill_(ids[None, :] >= limit[:, None], float("-inf"))
+        if candidate_source:
+            maxima.append(scores.view(t, n // block, block).amax(-1))
+        elif candidates is not None:
+            scores = scores.masked_fill_(~candidates[:, lo:lo + n], float("-inf"))
+        best, best_ids = indexer.merge_top(best, best_ids, scores, ids.expand(t, n), topk)
     if candidate_source:
-        candidates = candidate_mask(scores, (batch.positions + 1) // ratio, block, topk_blocks)
+        best_blocks = torch.cat(maxima, dim=1) if maxima else torch.zeros(t, 0, dtype=wide.dtype)
+        candidates = kept_entries(best_blocks, limit, block, topk_blocks, total)
     elif candidates is not None:
-        scores = reindex_scores(scores, candidates)
-    k = min(topk, scores.shape[1])
-    best = torch.sort(scores, dim=1, descending=True, stable=True)        # at a tie the lower id first
-    ids = torch.where(torch.isfinite(best.values[:, :k]), best.indices[:, :k], _NONE).sort(dim=1).values
-    ids = torch.where(ids == _NONE, -1, ids)
-    if k < topk:
-        ids = torch.nn.functional.pad(ids, (0, topk - k), value=-1)
-    return ids, candidates
+        candidates = candidates[:, :total]
+    order = torch.where(torch.isfinite(best), best_ids, _NONE).sort(dim=1).values
+    return torch.where(order == _NONE, -1, order), candidates
