@@ -1,7 +1,7 @@
 """ascend910 lowerings: BF16 compute, W8A8 and W4A8 through the 910B quantised torch_npu ops.
 
 W8A8 linears are `npu_dynamic_quant` + `npu_quant_matmul` with per-token scales; routed experts
-are W4A8 grouped matmuls between `npu_moe_init_routing_v2` and `npu_moe_token_unpermute`
+are W4A8 grouped matmuls between `npu_moe_init_routing_v2` and `npu_moe_finalize_routing`
 (L21). This module must not know whether the device ops are real kernels or the emulation.
 """
 from __future__ import annotations
@@ -203,15 +203,24 @@ def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placeme
     where an unpermute, a cast of the weights and an add were three; every row is written (all experts local, no
     pair dropped), so there is no tail to zero. w1 holds gate | up when the profile merges them (w3 None): one
     grouped GEMM, then the clipped SwiGLU and the down GEMM's quantisation in one npu_dequant_swiglu_quant. Under
-    EP the shared composite (dummy slot, tail rows zeroed, the exchange: backends/common/moe.py), then one add.
+    EP the shared composite (dummy slot, tail rows zeroed, the exchange: backends/common/moe.py), the pair rows
+    that come back combined by the same npu_moe_finalize_routing in fp32 (the identity index, drop_pad_mode 2; a
+    rank combines the tokens it was given, which need not be the shared rows' tokens), then the shared rows added
+    and rounded once: the one-rank kernel's sum, order and rounding, so an EP layout is exact.
     `zero_tail` and `shared_weight` are fault sites (B10, B09)."""
+    t, k = ids.shape
+    skip = shared.to(DTYPE) if shared_weight == 1.0 else shared.to(DTYPE) * shared_weight
     if placement.ep_size > 1:
+        def finalize(rows, ws):
+            order = dense.arange(rows.shape[0], torch.int32, rows.device)
+            return device.npu_moe_finalize_routing(rows.float(), None, None, None, ws.float(), order, None,
+                                                   drop_pad_mode=2)
         routed = moe.grouped_moe(x, weights, ids, w1, w3, w2, placement, limit,
                                  init_routing=device.npu_moe_init_routing_v2, gmm=_gmm_w4a8,
-                                 unpermute=device.npu_moe_token_unpermute, dtype=DTYPE, zero_tail=zero_tail,
-                                 merged_swiglu=functools.partial(clipped_swiglu_quant, limit=limit))
-        return moe.add_shared(routed, shared, shared_weight)
-    t, k = ids.shape
+                                 unpermute=None, dtype=DTYPE, zero_tail=zero_tail,
+                                 merged_swiglu=functools.partial(clipped_swiglu_quant, limit=limit),
+                                 combine=finalize, out_dtype=torch.float32)
+        return (routed + skip.float()).to(DTYPE)
     xq, row_idx, group_list, xs = device.npu_moe_init_routing_v2(
         x.to(DTYPE), ids, active_num=t * k, expert_num=placement.n_experts, expert_tokens_num_type=0,
         expert_tokens_num_flag=True, quant_mode=1)
@@ -221,7 +230,6 @@ def routed_experts(x, weights, ids, w1: W4A8, w3: W4A8 | None, w2: W4A8, placeme
         act = moe.clipped_swiglu(_gmm_quantized(xq, xs, w1, group_list), _gmm_quantized(xq, xs, w3, group_list),
                                  limit).to(DTYPE)
         down = _gmm_w4a8(act, w2, group_list)                        # [T*k, d] in expert order
-    skip = shared.to(DTYPE) if shared_weight == 1.0 else shared.to(DTYPE) * shared_weight
     return device.npu_moe_finalize_routing(down, skip, None, None, weights.float(), row_idx, None, drop_pad_mode=2)
 
 

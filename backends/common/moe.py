@@ -70,20 +70,21 @@ def valid_rows(group_list: torch.Tensor, rows: int) -> torch.Tensor:
 
 def grouped_moe(x, weights, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, unpermute,
                 dtype: torch.dtype, unpermute_multiple: int = 1, zero_tail: bool = True,
-                merged_swiglu=None) -> torch.Tensor:
+                merged_swiglu=None, combine=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Routed experts through a device's routing / grouped-GEMM / unpermute ops, exchanged over the
     EP group when there is one (lib/distributed/expert_exchange.py). `zero_tail=False` leaves the rows
     past the group list as the kernel wrote them (L05): only conformance renders that, as B10. When w1 holds
     gate | up (a backend's merged weights, w3 None), `merged_swiglu` turns that GEMM's output [T*k, 2I] into the
     down GEMM's input (the backend knows the layout and may quantise there); by default its halves go through
-    the fp32 clipped SwiGLU."""
+    the fp32 clipped SwiGLU. `combine`: the device's own weighted sum of each token's pair rows [T*k, d] (t-major)
+    with the router's weights [T, k], instead of its unpermute op, returning `out_dtype` (default `dtype`)."""
     def rows(xs, es):
         return _grouped_rows(xs, es, w1, w3, w2, placement, limit, init_routing=init_routing, gmm=gmm, dtype=dtype,
                              zero_tail=zero_tail, merged_swiglu=merged_swiglu)
 
-    def combine(pair_rows, ws):
+    def unpermuted(pair_rows, ws):
         return _combine(pair_rows, ws, unpermute=unpermute, dtype=dtype, unpermute_multiple=unpermute_multiple)
-    return ep.exchange(placement, x, weights, ids, ep.Experts(rows, combine, dtype, dtype))
+    return ep.exchange(placement, x, weights, ids, ep.Experts(rows, combine or unpermuted, dtype, out_dtype or dtype))
 
 
 def _grouped_rows(x, ids, w1, w3, w2, placement, limit: float, *, init_routing, gmm, dtype: torch.dtype,

@@ -148,3 +148,20 @@ def test_merge_outputs_puts_the_second_rows_after_the_first():
     assert p.qweight.shape == (2, 4, 3) and p.scale.shape == (2, 24)
     with pytest.raises(TypeError, match="one runtime format"):
         merge_outputs(a, W8A8(torch.ones(3, 4, dtype=torch.int8), torch.ones(3)))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "v41-tiny"])
+def test_an_ep_layout_computes_what_one_rank_computes(tmp_path, variant):
+    """Under EP the pair rows that come back are combined by the same npu_moe_finalize_routing as on one rank (fp32
+    router weights, the shared rows added, one rounding): two EP ranks (simulated in one process) give one rank's
+    logits bit for bit, V4 and V4.1 alike (an unpermute with bf16 weights and an add after it moved them by a
+    logit or more, and flipped V4.1's FP4-simulated selections)."""
+    from lib.runtime.paged_step import prefill_logits
+    from lib.weights.params import LoadOptions
+    from lib.weights.tiny_checkpoint import make_tiny
+
+    path = make_tiny(tmp_path / "ckpt", variant=variant)
+    ids = list(range(3, 27))
+    one = prefill_logits(load_model(path, "ascend910"), ids)
+    two = prefill_logits(load_model(path, "ascend910", options=LoadOptions(ep_size=2, ep_simulate=True)), ids)
+    assert torch.equal(one, two)

@@ -55,11 +55,12 @@ def test_v41_layout_decodes_like_one_process_with_and_without_dspark(v41_tiny_ck
         assert all(len(tokens) == 16 for tokens in r.parallel)
 
 
-def test_v41_on_a_device_with_tp_and_ep_together_decodes_like_one_process(v41_tiny_ckpt):
-    """V4.1 on a device backend (hip936) with TP=2 and EP=2 over all-to-all: its composites (the shared KV's
-    selection gathering every head, Engram's rows summed across ranks) exact, 16 steps of one prompt with and
-    without DSpark."""
-    results = parallel_check.check(v41_tiny_ckpt, "hip936", 2, 2, "alltoall", steps=16, prompts=PROMPTS[:1])
+def test_v41_on_ascend910_with_tp_and_ep_together_decodes_like_one_process(v41_tiny_ckpt):
+    """The field's model on the field's target: V4.1 on ascend910 with TP=2 and EP=2 over all-to-all, its
+    composites (the shared KV's selection gathering every head, Engram's rows summed across ranks) and its W4A8
+    experts (combined under EP by the one-rank kernel, in fp32, rounded once) exact, 16 steps of one prompt with
+    and without DSpark."""
+    results = parallel_check.check(v41_tiny_ckpt, "ascend910", 2, 2, "alltoall", steps=16, prompts=PROMPTS[:1])
     assert [r.speculative for r in results] == ["none", "dspark"]
     for r in results:
         assert r.first_difference is None, r.line()
