@@ -39,10 +39,9 @@ def latent_compress(h, batch: Batch, pools: CompressorPools, keys: CompressorPoo
 
     Ratio 2: K | G [T, 2Dc] side by side as the ring holds them (one GEMM where the profile merges wkv and wgate),
     pooled by attention.pool_groups (no ape, no overlap); ratio 1: each token's own K row. The projections are
-    fp32 products, as the fused V4 compressor keeps its A | Z state: the FP4 rounding of the entries and keys
-    would turn a bf16 product's rounding into whole FP4 steps. From the pooled latent: the main entry RMS-normalised, rotated at
-    j * r, FP4-simulated in blocks of 16; the index key W_k on the normalised latent before its rotation, k_norm,
-    rotated, FP4-simulated in blocks of 32."""
+    fp32 products, as the fused V4 compressor keeps its A | Z state rows in fp32. From the pooled latent: the main
+    entry RMS-normalised, rotated at j * r, FP4-simulated in blocks of 16; the index key W_k on the normalised
+    latent before its rotation, k_norm, rotated, FP4-simulated in blocks of 32."""
     x = h.float()
     writes = batch.state.writes[ratio]
     if ratio == 1:                           # every token completes its own entry; no gate
@@ -75,16 +74,15 @@ def shared_index_select(q, weights, batch: Batch, keys, candidates, *, topk: int
     score(t, j) = sum_h w_th relu(q_th . k_j), visible iff j < limit_t, one tile of entries at a time with a
     running top-k by a stable sort, so that at a tie the lower id wins, as in the reference: V4.1's FP4-simulated
     queries and keys tie often (a score is exactly 0 wherever ReLU zeroes every head), and which of the tied
-    entries a query reads changes its output by far more than the device's rounding does. A tile is whole candidate blocks, so the candidate source keeps each block's best score as it
-    goes and chooses the blocks after the last tile (the newest visible block always kept); a reindex layer masks
-    each tile by the blocks its candidate source kept."""
+    entries a query reads changes its output by far more than the device's rounding does. A tile is whole
+    candidate blocks, so the candidate source keeps each block's best score as it goes and chooses the blocks after
+    the last tile (the newest visible block always kept); a reindex layer masks each tile by the kept blocks."""
     q, weights = parallel.gather_heads(q, weights, group)
     addr, t = batch.state, q.shape[0]
     limit = addr.step(("limit", ratio))                                          # [T] int32 entries readable
     ws = weights.float() * weight_scale
-    blocked = candidate_source or candidates is not None
     n = index_block(t, q.shape[1], q.shape[2])
-    if blocked:
+    if candidate_source or candidates is not None:
         n = -(-n // block) * block                                              # whole candidate blocks per tile
     best = torch.full((t, topk), float("-inf"), device=q.device)
     best_ids = torch.full((t, topk), -1.0, device=q.device)                     # float sort keys (L13)

@@ -33,8 +33,8 @@ from lib.porting.conformance_engine import (DraftReference, draft_checks, drafte
                                             has_dspark_drafter, reference_draft)
 from lib.porting.conformance_v41 import BLOCK_TABLE, block_calls, collapse_check, engram_ids_check
 from lib.porting.conformance_ops import SELECTION_MISMATCH, checked_ops, device_calls, op_call, op_checks, run_ops
-from lib.porting.conformance_paged import (SUBLAYER_TABLES, batch_checks, copy_pools, new_store, paged_run, placement_check,
-                                           recording_step, state_check)
+from lib.porting.conformance_paged import (SUBLAYER_TABLES, batch_checks, copy_pools, new_store, paged_run,
+                                           placement_check, recording_step, state_check)
 from lib.porting.rendering import rendered
 from lib.quant.reference_formats import resolve
 from lib.records.batch import make_batch
@@ -100,7 +100,7 @@ def device_sublayers(ref_calls, dev: Model) -> list[tuple[str, torch.Tensor, tor
         inputs = [_to(a, dev.state_dtype) for a in args[1:-3]]
         rope = dev.rope
         attention = SUBLAYER_TABLES[table] == "attention"
-        if attention:                              # (h, batch, cache, ...); the step's angles, made as the device makes them
+        if attention:               # (h, batch, cache, ...); the step's angles, made as the device makes them
             inputs[2] = copy_pools(inputs[2], dev.state, layer.attention, dev.state_dtype)
             rope = angles_of(inputs[1], tables=dev.rope)
         got = getattr(gen, table)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg, rope)

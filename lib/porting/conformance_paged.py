@@ -181,7 +181,7 @@ def recording_step(model, store: PagedCache, batch, seq_ids: list, recorded: lis
     where = {layer.index: i for i, layer in enumerate(model.layers)}
     for k in range(start, len(recorded)):
         table, kind, args, kwargs, out = recorded[k]
-        if SUBLAYER_TABLES.get(table) == "attention":  # (lp, h, batch, cache, [selection, candidates,] layer, cfg, rope)
+        if SUBLAYER_TABLES.get(table) == "attention":    # (lp, h, batch, cache, [selection, candidates,] layer, ...)
             layer = args[-3]
             pools = before[where[layer.index]]
             if layer.ratio and not layer.kv_source:      # V4.1: its KV source wrote this step's entries before it read
