@@ -91,6 +91,10 @@ def render_tools(tools: list[dict]) -> str:
                                  schemas="\n".join(schemas))
 
 
+# OpenAI content parts that carry an image (chat completions' image_url, the responses API's input_image)
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
 def _text(content, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -100,6 +104,9 @@ def _text(content, index: int) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in IMAGE_PARTS:
+            raise ValueError(f"message {index}: content part of type {kind!r}: images are not supported (the "
+                             f"runtime serves the text model only, without a vision tower; send 'text' parts)")
         if kind != "text":
             raise ValueError(f"message {index}: content part of type {kind!r} is not supported "
                              f"(this model reads only 'text' parts)")

@@ -375,3 +375,26 @@ def test_ep_sizes_must_divide_the_drafters_own_experts_too():
     with pytest.raises(ValueError, match=re.escape("expert parallel size 8 does not divide dspark_n_routed_experts (4)")):
         check_sizes(variant_config("v41-tiny"), 1, 8)
     assert check_sizes(variant_config("v41-flash"), 8, 8) == 8
+
+
+def test_a_checkpoint_with_a_vision_tower_runs_its_text_model_and_refuses_images(tmp_path):
+    """A V4.1 checkpoint with its vision tower (a one-block tower at tiny widths) loads and runs its text model, and
+    a chat message with an image part is refused, saying images are not supported."""
+    import torch
+
+    from lib.runtime.loaded_model import load_model
+    from lib.runtime.paged_step import prefill_logits
+    from lib.text.chat_encoding import encode_messages
+    from lib.weights.tiny_checkpoint import make_tiny
+
+    flash = variant_config("v41-flash")
+    vision = {k: getattr(flash, k) for k in flash.__struct_fields__ if k.startswith("vision_")}
+    vision |= {"vision_num_hidden_layers": 1, "vision_hidden_size": 64, "vision_num_attention_heads": 2,
+               "vision_intermediate_size": 128}
+    path = make_tiny(tmp_path / "vis", variant="v41-tiny", overrides=vision)
+    assert any(t.entry.tensor_class == "vision" for t in Checkpoint(path).logical)
+    assert bool(torch.isfinite(prefill_logits(load_model(path, "cpu"), [1, 2, 3])).all())
+    image = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    with pytest.raises(ValueError, match="images are not supported"):
+        encode_messages([image])
