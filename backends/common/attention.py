@@ -108,7 +108,7 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
                              lambda rows: torch.full((rows, topk), -1.0, device=q.device))
     n = index_block(t, q.shape[1], q.shape[2])                                  # every block full width
     for lo in range(0, addr.max_entries[ratio], n):
-        ids, float_ids = _block_ids(lo, n, q.device)
+        ids, float_ids = block_ids(lo, n, q.device)
         rows = addr.entry_block(ratio, lo, n).reshape(-1)
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
         dots = invariant.bmm(q.float(), k.transpose(1, 2))                        # [T, Hi, n]
@@ -123,7 +123,7 @@ def index_select(q, weights, batch: Batch, keys, *, topk: int, ratio: int, weigh
     return torch.where(order == float(2 ** 24), -1.0, order).to(torch.int32)
 
 
-def _block_ids(lo: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def block_ids(lo: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The entry ids lo .. lo + n - 1 of a block, int32 and as float sort keys: constants of the block."""
     return dense.arange(lo + n, torch.int32, device)[lo:], dense.arange(lo + n, torch.float32, device)[lo:]
 
@@ -156,7 +156,7 @@ def sparse_attention(q, kv, batch: Batch, windows, entries, selection, sink, *, 
     if entries is not None and selection is None:
         limit = addr.step(("limit", ratio))
         for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids, _ = _block_ids(lo, HCA_BLOCK, q.device)
+            ids, _ = block_ids(lo, HCA_BLOCK, q.device)
             rows = addr.entry_block(ratio, lo, HCA_BLOCK).reshape(-1)
             block = entries.index_select(0, rows).view(t, ids.shape[0], d).to(kv.dtype).float()
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

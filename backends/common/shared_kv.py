@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from backends.common import dense
-from backends.common.attention import index_block, pool_groups
+from backends.common.attention import block_ids, index_block, pool_groups
 from backends.common.rope import rope
 from lib.distributed import process_group as parallel
 from lib.emulation import invariant_matmul as invariant
@@ -84,13 +84,16 @@ def shared_index_select(q, weights, batch: Batch, keys, candidates, *, topk: int
     n = index_block(t, q.shape[1], q.shape[2])
     if candidate_source or candidates is not None:
         n = -(-n // block) * block                                              # whole candidate blocks per tile
-    best = torch.full((t, topk), float("-inf"), device=q.device)
-    best_ids = torch.full((t, topk), -1.0, device=q.device)                     # float sort keys (L13)
+    # the running top-k starts empty (float sort keys, L13): constants of the step's shapes, made once
+    best = dense.leading(("index best", topk, str(q.device)), t,
+                         lambda rows: torch.full((rows, topk), float("-inf"), device=q.device))
+    best_ids = dense.leading(("index best ids", topk, str(q.device)), t,
+                             lambda rows: torch.full((rows, topk), -1.0, device=q.device))
     block_best, total = [], addr.max_entries[ratio]
     if candidates is not None and not candidate_source:                         # whole tiles: False past the last
         candidates = torch.nn.functional.pad(candidates, (0, -total % n))
     for lo in range(0, total, n):
-        ids = torch.arange(lo, lo + n, dtype=torch.int32, device=q.device)
+        ids, float_ids = block_ids(lo, n, q.device)
         rows = addr.entry_block(ratio, lo, n).reshape(-1)
         k = keys.index_select(0, rows).view(t, n, -1).float()                   # [T, n, Di]
         dots = invariant.bmm(q.float(), k.transpose(1, 2))                        # [T, Hi, n]
@@ -102,7 +105,7 @@ def shared_index_select(q, weights, batch: Batch, keys, candidates, *, topk: int
             scores = torch.where(candidates[:, lo:lo + n], scores, float("-inf"))
         top = torch.sort(torch.cat((best, scores), 1), dim=-1, descending=True, stable=True)
         best = top.values[:, :topk]
-        best_ids = torch.gather(torch.cat((best_ids, ids.float().expand(t, n)), 1), 1, top.indices[:, :topk])
+        best_ids = torch.gather(torch.cat((best_ids, float_ids.expand(t, n)), 1), 1, top.indices[:, :topk])
     if candidate_source:
         candidates = _kept_blocks(block_best, limit, block, topk_blocks, t, q.device)
         candidates = candidates.repeat_interleave(block, dim=1)[:, :total]

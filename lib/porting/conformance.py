@@ -281,9 +281,8 @@ def _run(backend: str, model_path, steps: int, prompt_len: int, ep_sim: int, inj
         if blocks:
             with stages(f"block wiring ({len(blocks)} recorded V4.1 blocks, their input collapse)"):
                 rewrite = fault.injection.rewrite(backend) if fault.injection and fault.injection.rewrite else None
-                checks.append(collapse_check(blocks, model_path, backend, options, rewrite, budgets["attention"].budget,
-                                             Check, OUTLIER_FACTOR, OUTLIER_SHARE, _token_errors, _to))
-        engram = engram_ids_check(dev, model_path, prompt + tokens, Check)
+                checks.append(collapse_check(blocks, model_path, backend, options, rewrite, budgets["attention"].budget))
+        engram = engram_ids_check(dev, model_path, prompt + tokens)
         checks += [engram] if engram is not None else []
         if done():
             return Report(backend, tuple(checks + [guard_check(guard)]))

@@ -40,9 +40,9 @@ def block_calls(recorded) -> list:
     return [c for c in recorded if c[0] == BLOCK_TABLE and not c[2][-3].engram]
 
 
-def collapse_check(calls, model_path, backend: str, options, rewrite: Rewrite | None, budget: float, check_type,
-                   outlier_factor: float, outlier_share: float, token_errors, to_device):
+def collapse_check(calls, model_path, backend: str, options, rewrite: Rewrite | None, budget: float):
     """One check: the median per-token error of each replayed block's first collapse against sum_i pi_i X_i."""
+    from lib.porting.conformance import OUTLIER_FACTOR, OUTLIER_SHARE, Check, _to, _token_errors   # imports this
     from lib.porting.conformance_ops import op_call
 
     recording = (rewrite or Rewrite())._replace(record_ops=("hc_collapse",))
@@ -52,27 +52,29 @@ def collapse_check(calls, model_path, backend: str, options, rewrite: Rewrite | 
         angles_of = resolve(op_call(load_profile(backend), "rope_angles"))
         for _, kind, args, _ in calls:       # (lp, x, pi, selection, candidates, batch, cache, layer, cfg, rope)
             layer = args[-3]
-            inputs = [to_device(a, dev.state_dtype) for a in args[1:-3]]
+            inputs = [_to(a, dev.state_dtype) for a in args[1:-3]]
             inputs[5] = copy_pools(inputs[5], dev.state, layer.attention, dev.state_dtype)
             del code.model.RECORDED[:]
             getattr(code.model, BLOCK_TABLE)[kind](dev.params.layers[layer.index], *inputs, layer, dev.cfg,
                                                  angles_of(inputs[4], tables=dev.rope))
             first = next(out for table, op, _, _, out in code.model.RECORDED if op == "hc_collapse")
-            errors.append(token_errors(first, hc_collapse(args[1], args[2])))
+            errors.append(_token_errors(first, hc_collapse(args[1], args[2])))
     e = torch.cat(errors)
-    median, share = e.median().item(), (e > outlier_factor * budget).float().mean().item()
-    return check_type(f"block input collapse with the previous sub-layer's pre ({e.numel()} tokens)",
-                      f"{median:.4f} / {share:.1%}", f"<= {budget} / <= {outlier_share:.0%}",
-                      median <= budget and share <= outlier_share)
+    median, share = e.median().item(), (e > OUTLIER_FACTOR * budget).float().mean().item()
+    return Check(f"block input collapse with the previous sub-layer's pre ({e.numel()} tokens)",
+                 f"{median:.4f} / {share:.1%}", f"<= {budget} / <= {OUTLIER_SHARE:.0%}",
+                 median <= budget and share <= OUTLIER_SHARE)
 
 
-def engram_ids_check(dev, model_path, tokens: list[int], check_type):
+def engram_ids_check(dev, model_path, tokens: list[int]):
     """One check (None without Engram layers): the device runtime's Engram hash ids of `tokens` against the ids of
     the reference hashing (the config's primes and multipliers)."""
+    from lib.porting.conformance import Check
+
     if dev.engram is None:
         return None
     reference = engram_hashing(Checkpoint(model_path).config, Path(model_path))
     got, want = (step_ids(h, Tail(0, ()), 0, tokens, 0)[0] for h in (dev.engram, reference))
     differ = int((got != want).any(axis=(1, 2)).sum()) if got.shape == want.shape else len(tokens)
-    return check_type(f"Engram hash ids of the run's {len(tokens)} tokens (host)",
-                      "identical" if differ == 0 else f"{differ} tokens differ", "identical", differ == 0)
+    return Check(f"Engram hash ids of the run's {len(tokens)} tokens (host)",
+                 "identical" if differ == 0 else f"{differ} tokens differ", "identical", differ == 0)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from lib.quant.bit_codecs import dequant_fp8_block
-from lib.quant.reference_formats import decode
+from lib.quant.reference_formats import decode, decode_int8_row32
 from lib.weights.checkpoint import Checkpoint
 
 CHANNELS_PER_SCALE = 32
@@ -47,8 +47,7 @@ class EngramShard(NamedTuple):
         if self.scale is None:
             rows = weight.float()
         elif weight.dtype == torch.int8:             # int8 per 32 channels with an fp32 scale (the field's tables)
-            rows = (weight.float().unflatten(-1, (-1, CHANNELS_PER_SCALE))
-                    * self.scale.index_select(0, at).float().unsqueeze(-1)).flatten(-2)
+            rows = decode_int8_row32({"weight": weight, "scale": self.scale.index_select(0, at)}, None)
         else:
             rows = dequant_fp8_block(weight, self.scale.index_select(0, at), block=(1, CHANNELS_PER_SCALE)).float()
         return torch.where(mine[:, None], rows, 0.0).view(*ids.shape, -1)   # a stand-in row's values never leak
