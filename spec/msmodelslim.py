@@ -59,6 +59,11 @@ class Part(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classes: tuple[str, ...] = ()               # ... or tensors of these classes
 
 
+class DrafterVocabulary(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    model_types: tuple[str, ...]                # the model generations whose exports carry the copies
+    copies: dict[str, str]                      # copy key ("{last}": the last drafter stage) -> backbone key
+
+
 class ModelSlimSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     files: Files
     labels: dict[Label, LabelSpec]
@@ -66,6 +71,7 @@ class ModelSlimSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     quantisable: tuple[str, ...]
     recipes: dict[str, Recipe]
     parts: dict[str, Part]                      # an export's parts; "backbone" is every other key
+    drafter_vocabulary: DrafterVocabulary
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,21 +121,36 @@ def recipe_label(logical: Logical, recipe: str) -> str:
     return spec.recipes[recipe].classes.get(logical.entry.tensor_class, "FLOAT")
 
 
-def part_of(logical: Logical) -> str:
-    """Which part of an export a tensor belongs to ("backbone" unless a part claims it)."""
+def part_of(logical: Logical, key: str | None = None) -> str:
+    """Which part of an export a tensor (saved under `key`, default its own) belongs to ("backbone" unless a part
+    claims it)."""
+    key = logical.key if key is None else key
     for name, part in load_msmodelslim().parts.items():
-        if (part.prefix and logical.key.startswith(part.prefix)) or logical.entry.tensor_class in part.classes:
+        if (part.prefix and key.startswith(part.prefix)) or logical.entry.tensor_class in part.classes:
             return name
     return "backbone"
+
+
+def vocabulary_copies(cfg: ModelConfig) -> dict[str, str]:
+    """The drafter's vocabulary copies an export of this config saves: copy key -> the backbone key it copies
+    (none for a generation whose exports share the backbone's)."""
+    vocab = load_msmodelslim().drafter_vocabulary
+    if cfg.model_type not in vocab.model_types or cfg.num_nextn_predict_layers < 1:
+        return {}
+    last = str(cfg.num_nextn_predict_layers - 1)
+    return {copy.replace("{last}", last): source for copy, source in vocab.copies.items()}
 
 
 def export_inventory(cfg: ModelConfig, recipe: str) -> dict[str, dict[str, int]]:
     """Saved keys per part and quant type of the ModelSlim export `recipe` writes for this config, from
     the spec alone: part -> label -> keys (a quantised linear saves its weight and its sibling tensors)."""
     out: dict[str, dict[str, int]] = {}
+    copied = {source: copy for copy, source in vocabulary_copies(cfg).items()}
     for t in expand(cfg):
         label = recipe_label(t, recipe)
         keys = len(with_format(t, format_for(t, label), cfg).parts)
-        counts = out.setdefault(part_of(t), {})
-        counts[label] = counts.get(label, 0) + keys
+        for key in (t.key, copied.get(t.key)):
+            if key is not None:
+                counts = out.setdefault(part_of(t, key), {})
+                counts[label] = counts.get(label, 0) + keys
     return out

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from lib.weights import msmodelslim as modelslim
 from lib.weights.tp_slices import TPSlice
 from spec.config import ModelConfig, load_config_json
-from spec.msmodelslim import load_msmodelslim
+from spec.msmodelslim import load_msmodelslim, vocabulary_copies
 from spec.tables import Logical, Stored, expand, load_quant
 from spec.yamlio import SpecError
 
@@ -126,6 +126,10 @@ class Checkpoint:
         else:
             self.index_name, self.quant_type, weight_map = INDEX_NAME, "fp8", read_weight_map(self.root)
         self.expected: dict[str, Stored] = {p.key: p for t in self.logical for p in t.parts}
+        # copy key -> backbone key: the drafter vocabulary a V4.1 ModelSlim export carries (spec/msmodelslim.yaml)
+        self.copies: dict[str, str] = vocabulary_copies(self.config) if self.layout == "msmodelslim" else {}
+        for copy, source in self.copies.items():
+            self.expected[copy] = self.expected[source]._replace(key=copy)
         self.headers: dict[str, HeaderEntry] = {}
         for shard in sorted(set(weight_map.values())):
             for key, entry in read_header(self.root / shard).items():

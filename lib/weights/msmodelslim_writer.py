@@ -23,7 +23,7 @@ from tqdm import tqdm
 from lib.quant.reference_formats import decode, encode
 from lib.weights.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from lib.weights.checkpoint_writer import publish_dir
-from spec.msmodelslim import allowed_labels, format_for, load_msmodelslim, part_of, recipe_label
+from spec.msmodelslim import allowed_labels, format_for, load_msmodelslim, part_of, recipe_label, vocabulary_copies
 from spec.tables import Logical, with_format
 
 
@@ -49,6 +49,7 @@ def convert(model: Path | str, out: Path | str, quant_type: str = "w8a8", part_s
         written: dict[str, list[tuple[str, list[str]]]] = {}  # part -> (temporary name, keys) per shard
         weight_map: dict[str, str] = {}
         total = 0
+        copied = {source: copy for copy, source in vocabulary_copies(ckpt.config).items()}
 
         def flush(part: str) -> None:
             if shards.get(part):
@@ -58,8 +59,13 @@ def convert(model: Path | str, out: Path | str, quant_type: str = "w8a8", part_s
                 shards[part], held[part] = {}, 0
 
         for t in tqdm(ckpt.logical, desc="converting to msmodelslim", unit="tensor", disable=not progress, leave=False):
-            label, part = recipe_label(t, quant_type), part_of(t)
-            for key, value in _stored(ckpt, t, label).items():
+            label = recipe_label(t, quant_type)
+            stored = list(_stored(ckpt, t, label).items())
+            if t.key in copied:                             # the drafter's own vocabulary: a copy, in its part
+                (_, value), = stored
+                stored.append((copied[t.key], value.clone()))
+            for key, value in stored:
+                part = part_of(t, key)
                 labels[key] = label
                 size = value.numel() * value.element_size()
                 total += size

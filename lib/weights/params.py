@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from lib.weights import tp_slices as shard
-from lib.weights.checkpoint import Checkpoint, LoadLedger
+from lib.weights.checkpoint import Checkpoint, CheckpointError, LoadLedger
 from lib.quant.reference_formats import resolve
 from lib.quant.runtime_formats import W4A8, W8A8, PackedFP4
 from lib.records.expert_placement import expert_placement
@@ -118,6 +118,7 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
         else:
             index = (options.faults.part_index or shard.part_index)(t, ckpt.config, options.tp_size, options.tp_rank)
             parts = ckpt.read_parts(t, ledger, index)
+            check_copies(ckpt, t, parts, index)
             if options.faults.stored_parts is not None:
                 parts = options.faults.stored_parts(t, parts)
             value = resolve(converter_for(t))(t.format, parts, ckpt.config)
@@ -142,6 +143,19 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
     layers = tuple(blocks.get(info.prefix, {}) for info in infos[:n])
     drafter = tuple(blocks.get(info.prefix, {}) for info in infos[n:])
     return Params(model, layers, drafter, infos[:n], infos[n:])
+
+
+def check_copies(ckpt: Checkpoint, logical: Logical, parts: dict[str, torch.Tensor], index) -> None:
+    """A copy of this tensor the checkpoint also saves (a V4.1 ModelSlim drafter's vocabulary) must hold the same
+    bytes: the runtime reads one tensor for both, and applies no rotation (QuaRot) that would tell them apart."""
+    for copy, source in ckpt.copies.items():
+        if source == logical.key:
+            (role, value), = parts.items()
+            theirs = ckpt.read(copy, None if index is None else index[role].index())
+            if not torch.equal(theirs.view(torch.uint8), value.view(torch.uint8)):
+                raise CheckpointError(f"{ckpt.headers[copy].shard}: {copy}: differs from {source}, which it copies; "
+                                      f"the runtime shares the backbone's vocabulary with the drafter and applies no "
+                                      f"rotation (a QuaRot-rotated export is not supported)")
 
 
 def merged_pair(first, second, layout: str):

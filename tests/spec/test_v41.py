@@ -21,6 +21,7 @@ from codegen.build import generated_dir
 from lib.cli.main import main as cli
 from lib.weights.checkpoint import Checkpoint, CheckpointError
 from spec.config import load_config_json
+from spec.msmodelslim import vocabulary_copies
 from spec.schedule import backbone, drafter, schedule
 from spec.tables import expand, load_quant
 from spec.variants import variant_config
@@ -279,6 +280,12 @@ def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_
     assert index["layers.1.engram.embed.weight"] == "engram_int8/layers_1_engram_embed.weight.safetensors"
     assert index["layers.1.engram.embed.scale"] == "engram_int8/layers_1_engram_embed.scale.safetensors"
     assert {f for k, f in index.items() if ".engram." in k and ".embed." not in k} == {"engram_extra-00001.safetensors"}
+    # the drafter's own vocabulary, as the release keeps it: copies of embed and head in mtpq-*, written FLOAT
+    labels = json.loads((out / "quant_model_description.json").read_text(encoding="utf-8"))
+    last = ckpt.config.num_nextn_predict_layers - 1
+    for copy, source in {"mtp.0.embed.weight": "embed.weight", f"mtp.{last}.head.weight": "head.weight"}.items():
+        assert index[copy] == "mtpq-00001.safetensors" and labels[copy] == labels[source] == "FLOAT"
+        assert ckpt.headers[copy].shape == ckpt.headers[source].shape
     # and runs on the reference: W4A8 experts, W8A8 projections and the int8 Engram tables as stored
     import torch
 
@@ -293,6 +300,15 @@ def test_a_modelslim_export_of_v41_reads_back_with_v41s_own_block_size(v41_tiny_
     assert table.weight.dtype == torch.int8 and table.scale.dtype == torch.float32
     on_910 = prefill_logits(load_model(out, "ascend910"), ids)                  # the field's target runs it too
     assert bool(torch.isfinite(on_910).all()) and float((on_910 - exact).norm() / exact.norm()) < 0.5   # measured 0.20
+    # a copy that differs from the backbone's (a rotated export) is refused at load, naming it
+    from safetensors.torch import load_file, save_file
+
+    shard = out / "mtpq-00001.safetensors"
+    tensors = load_file(str(shard))
+    tensors["mtp.0.embed.weight"] = tensors["mtp.0.embed.weight"] * 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"mtpq-00001.safetensors: mtp.0.embed.weight: differs from embed.weight"):
+        load_model(out, "cpu")
 
 
 def test_cli_logits_runs_v41_on_a_device_backend(tmp_path, v41_tiny_ckpt):
@@ -358,12 +374,16 @@ def test_msmodelslim_w4a8_export_keys_match_the_field_release(capsys):
     parts = json.loads(capsys.readouterr().out)["parts"]
     assert parts["backbone"] == {"W4A8_DYNAMIC": 184_320, "W8A8_DYNAMIC": 744, "FLOAT": 670}
     assert sum(parts["vision"].values()) == 266
-    # the release's draft: 1,152 W4A8 and 18 W8A8 linears and 56 FLOAT tensors "incl. the vocabulary";
-    # the spec's drafter has no vocabulary copy (embed and head are shared, B16), so 2 FLOAT keys fewer
-    assert parts["drafter"] == {"W4A8_DYNAMIC": 1_152 * 4, "W8A8_DYNAMIC": 18 * 3, "FLOAT": 56 - 2}
-    assert sum(parts["drafter"].values()) == 4_718 - 2
+    # the release's draft: 1,152 W4A8 and 18 W8A8 linears (4 and 3 keys each) and 56 FLOAT tensors, the vocabulary
+    # among them: the official drafter's 54 and the export's copies of embed and head (spec/msmodelslim.yaml)
+    assert parts["drafter"] == {"W4A8_DYNAMIC": 1_152 * 4, "W8A8_DYNAMIC": 18 * 3, "FLOAT": 56}
+    assert sum(parts["drafter"].values()) == 4_718
+    assert vocabulary_copies(variant_config("v41-flash")) == {"mtp.0.embed.weight": "embed.weight",
+                                                              "mtp.2.head.weight": "head.weight"}
+    assert vocabulary_copies(variant_config("flash-0731")) == {}     # V4's exports share the backbone's
     # "engram_extra 6 / engram_int8 4": the two layers' W_e and gate weights, their int8 tables and scales
     assert parts["engram_extra"] == {"FLOAT": 6} and parts["engram_int8"] == {"INT8_ROW32": 4}
+    assert sum(sum(p.values()) for p in parts.values()) == 190_728         # the release index's key count
 
 
 def test_ep_sizes_must_divide_the_drafters_own_experts_too():
