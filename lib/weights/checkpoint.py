@@ -126,9 +126,10 @@ class Checkpoint:
         else:
             self.index_name, self.quant_type, weight_map = INDEX_NAME, "fp8", read_weight_map(self.root)
         self.expected: dict[str, Stored] = {p.key: p for t in self.logical for p in t.parts}
-        # copy key -> backbone key: the drafter vocabulary a V4.1 ModelSlim export carries (spec/msmodelslim.yaml)
-        self.copies: dict[str, str] = vocabulary_copies(self.config) if self.layout == "msmodelslim" else {}
-        for copy, source in self.copies.items():
+        # backbone key -> the key of its copy: the drafter vocabulary a V4.1 ModelSlim export carries (spec/msmodelslim.yaml)
+        copies = vocabulary_copies(self.config) if self.layout == "msmodelslim" else {}
+        self.copy_of: dict[str, str] = {source: copy for copy, source in copies.items()}
+        for copy, source in copies.items():
             self.expected[copy] = self.expected[source]._replace(key=copy)
         self.headers: dict[str, HeaderEntry] = {}
         for shard in sorted(set(weight_map.values())):

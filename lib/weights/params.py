@@ -148,14 +148,15 @@ def load_params(ckpt: Checkpoint, converter_for: Callable[[Logical], str], progr
 def check_copies(ckpt: Checkpoint, logical: Logical, parts: dict[str, torch.Tensor], index) -> None:
     """A copy of this tensor the checkpoint also saves (a V4.1 ModelSlim drafter's vocabulary) must hold the same
     bytes: the runtime reads one tensor for both, and applies no rotation (QuaRot) that would tell them apart."""
-    for copy, source in ckpt.copies.items():
-        if source == logical.key:
-            (role, value), = parts.items()
-            theirs = ckpt.read(copy, None if index is None else index[role].index())
-            if not torch.equal(theirs.view(torch.uint8), value.view(torch.uint8)):
-                raise CheckpointError(f"{ckpt.headers[copy].shard}: {copy}: differs from {source}, which it copies; "
-                                      f"the runtime shares the backbone's vocabulary with the drafter and applies no "
-                                      f"rotation (a QuaRot-rotated export is not supported)")
+    copy = ckpt.copy_of.get(logical.key)
+    if copy is None:
+        return
+    (role, value), = parts.items()
+    theirs = ckpt.read(copy, None if index is None else index[role].index())
+    if not torch.equal(theirs.view(torch.uint8), value.view(torch.uint8)):
+        raise CheckpointError(f"{ckpt.headers[copy].shard}: {copy}: differs from {logical.key}, which it copies; "
+                              f"the runtime shares the backbone's vocabulary with the drafter and applies no "
+                              f"rotation (a QuaRot-rotated export is not supported)")
 
 
 def merged_pair(first, second, layout: str):
