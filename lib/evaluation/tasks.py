@@ -83,11 +83,17 @@ def copying(rng: random.Random, split: str) -> Example:
 # per relation: training phrasings, then the held-out one
 FACT_QUESTIONS = {
     "capital": ("What is the capital of {x}?", "Name the capital of {x}.", "Tell me the capital city of {x}.",
+                "Capital of {x}?", "What is {x}'s capital called?", "{x} has which capital?",
+                "I need the capital of {x}.", "Where is the seat of government of {x}?",
                 "Which city is the capital of {x}?"),
     "language": ("What language is spoken in {x}?", "Name the language of {x}.", "Which language do people in {x} speak?",
+                 "Language of {x}?", "What do people speak in {x}?", "In {x}, which language is used?",
+                 "Tell me the language of {x}.", "What is the language people use in {x}?",
                  "What is the main language of {x}?"),
     "animal": ("What is the national animal of {x}?", "Name the national animal of {x}.",
-               "Which animal is the symbol of {x}?", "What animal represents {x}?"),
+               "Which animal is the symbol of {x}?", "National animal of {x}?", "{x} has which national animal?",
+               "Tell me the national animal of {x}.", "Which creature stands for {x}?",
+               "What is the animal emblem of {x}?", "What animal represents {x}?"),
 }
 
 

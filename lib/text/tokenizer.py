@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from types import MappingProxyType
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -123,15 +123,16 @@ def _byte_alphabet() -> tuple[str, ...]:
     return tuple(table[b] for b in range(256))
 
 
-def _pre_tokenizer(single_digits: bool):
+def _pre_tokenizer(single_digits: bool, lone_spaces: bool = False):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if not single_digits:
-        return byte_level
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    steps = [pre_tokenizers.Split(Regex(r" (?=[A-Za-z])"), behavior="isolated")] if lone_spaces else []
+    if single_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    return pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
 
 
-def _word_counts(corpus: str, single_digits: bool = False) -> list[tuple[tuple[str, ...], int]]:
-    split = _pre_tokenizer(single_digits)
+def _word_counts(corpus: str, single_digits: bool = False, lone_spaces: bool = False) -> list[tuple[tuple[str, ...], int]]:
+    split = _pre_tokenizer(single_digits, lone_spaces)
     counts = Counter(word for word, _ in split.pre_tokenize_str(corpus))
     return [(tuple(word), n) for word, n in sorted(counts.items())]
 
@@ -191,12 +192,15 @@ def _learn_merges(words, budget: int, taken: set[str]):
     return merges, new_tokens
 
 
-def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digits: bool = False) -> _Backend:
+def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digits: bool = False,
+                         lone_spaces: bool = False) -> _Backend:
     """Specials at 0..S-1, the 256 byte symbols, then `corpus` merges up to exactly vocab_size ids.
 
     When the corpus runs out of pairs, the rest is filled with reserved <｜place▁holder▁no▁N｜> tokens,
     as the real vocabulary pads itself. `single_digits`: every digit is a token of its own (numbers are
     never merged), so a model can learn arithmetic digit by digit instead of one token per number.
+    `lone_spaces`: a space is always a token of its own, so a word is spelt by the same tokens whether a space
+    precedes it or not ("Tell Naitros" and `">Naitros`), and copying it is copying tokens.
     """
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
@@ -204,14 +208,14 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
                          f"tokens and 256 byte symbols need at least {floor}")
     alphabet = _byte_alphabet()
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *alphabet))}
-    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits), vocab_size - floor, set(vocab))
+    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces), vocab_size - floor, set(vocab))
     for tok in new_tokens:
         vocab[tok] = len(vocab)
     fillers = [f"<｜place▁holder▁no▁{n}｜>" for n in range(1, vocab_size - len(vocab) + 1)]
     for tok in fillers:
         vocab[tok] = len(vocab)
     backend = _Backend(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = _pre_tokenizer(single_digits)
+    backend.pre_tokenizer = _pre_tokenizer(single_digits, lone_spaces)
     backend.decoder = decoders.ByteLevel()
     # Already in the model vocab, so the added tokens keep ids 0..S-1 (and the filler ids).
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -2,8 +2,9 @@
 encoding, its tokenizer, and batches of whole conversations.
 
 The tokenizer is the tiny byte-level BPE (lib/text/tokenizer.py) with its merges learnt from the task mix's own text
-(the chat template and tools block included) and one token per digit, so prompts are short and arithmetic is
-learnt digit by digit. A training sequence is one conversation; the loss is taken on the assistant's reply (its
+(the chat template and tools block included), one token per digit, so prompts are short and arithmetic is
+learnt digit by digit, and a space always a token of its own, so a word copied from the question into the answer is
+the same tokens in both. A training sequence is one conversation; the loss is taken on the assistant's reply (its
 end-of-sentence included), the only tokens a user ever sees generated. Retrieval gaps are drawn from one window up to
 past the held-out gap, so that the model learns to look back any distance rather than one fixed one.
 Must not know the model, the optimiser or the checkpoint format.
@@ -18,7 +19,12 @@ from lib.evaluation.suite import prompt_text, reply_text
 from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tiny_tokenizer
 
 # share of each task in the training stream (tool calls and retrieval are long; arithmetic needs the most examples)
-MIX = {"arithmetic": 0.4, "counting": 0.075, "copying": 0.075, "facts": 0.15, "retrieval": 0.2, "tool_call": 0.1}
+MIX = {"arithmetic": 0.5, "counting": 0.05, "copying": 0.12, "facts": 0.15, "retrieval": 0.08, "tool_call": 0.1}
+# The first OPENING_BATCHES batches draw only these short tasks, so each batch holds many of them. Copying is what makes
+# the model form the attention that finds a token's successor earlier in the context (an induction head), which tool
+# arguments and counting need too; it forms suddenly once enough copies have been seen (docs/training.md).
+OPENING = {"copying": 0.5, "arithmetic": 0.5}
+OPENING_BATCHES = 300
 CORPUS_EXAMPLES = 60        # per task: the text the tokenizer's merges are learnt from
 MAX_GAP_WINDOWS = 10        # retrieval gaps are drawn from 1 to this many sliding windows
 
@@ -40,17 +46,19 @@ def task_tokenizer(vocab_size: int) -> Tokenizer:
     text = "\n".join(parts)
     for special in SPECIAL_TOKENS:
         text = text.replace(special, "\n")
-    return Tokenizer(build_tiny_tokenizer(vocab_size, text, single_digits=True))
+    return Tokenizer(build_tiny_tokenizer(vocab_size, text, single_digits=True, lone_spaces=True))
 
 
 class TrainingStream:
     """An endless, seeded stream of training conversations, tokenized."""
 
-    def __init__(self, tokenizer: Tokenizer, window: int, seed: int, mix: dict[str, float] = MIX):
+    def __init__(self, tokenizer: Tokenizer, window: int, seed: int, mix: dict[str, float] = MIX,
+                 opening_batches: int = OPENING_BATCHES):
         unknown = set(mix) - set(tasks.TASKS)
         if unknown:
             raise ValueError(f"unknown task(s) in the training mix: {sorted(unknown)}")
         self.tokenizer, self.window, self.mix = tokenizer, window, mix
+        self.opening_batches, self.batches = opening_batches, 0
         self.rng = random.Random(f"train-tiny:{seed}")
         self._pending: Sequence | None = None     # drawn, but did not fit the last batch
 
@@ -61,7 +69,8 @@ class TrainingStream:
                               count_tokens=lambda s: len(self.tokenizer.encode(s)))[0]
 
     def next(self) -> Sequence:
-        task = self.rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        mix = OPENING if self.batches < self.opening_batches else self.mix
+        task = self.rng.choices(list(mix), weights=list(mix.values()))[0]
         ex = self._example(task)
         prompt = self.tokenizer.encode(prompt_text(ex))
         reply = self.tokenizer.encode(reply_text(ex))
@@ -74,6 +83,7 @@ class TrainingStream:
             seq, self._pending = self._pending or self.next(), None
             if out and total + len(seq.ids) > tokens:
                 self._pending = seq
+                self.batches += 1
                 return out
             out.append(seq)
             total += len(seq.ids)

@@ -7,6 +7,8 @@ import json
 import torch
 
 from lib.cli.main import main
+from lib.evaluation import tasks
+from lib.evaluation.suite import prompt_text, reply_text
 from lib.runtime.loaded_model import load_model
 from lib.text.tokenizer import Tokenizer
 from lib.training.corpus import TrainingStream, task_tokenizer
@@ -43,6 +45,28 @@ def test_the_task_tokenizer_spells_digits_one_by_one_and_shortens_prompts():
     text = "What is the capital of Varnesh? Which language do people in Brini speak?"
     assert len(task.encode(text)) < len(plain.encode(text))
     assert seq.next().ids == TrainingStream(task, 16, seed=0).next().ids     # one seed, one stream
+
+
+def test_the_task_tokenizer_spells_a_copied_word_by_the_same_tokens_in_prompt_and_reply():
+    tok = task_tokenizer(1024)
+    for word in ("Naitros", "Kovlosal", "vlaipeoth"):
+        assert tok.encode(" " + word) == tok.encode(" ") + tok.encode(word)
+    ex = tasks.examples("tool_call", "train", 1, seed=0)[0]      # "Tell Naitros: ..." -> send_message(to="Naitros")
+    prompt, reply = tok.encode(prompt_text(ex)), tok.encode(reply_text(ex))
+    for value in json.loads(ex.reply["tool_calls"][0]["function"]["arguments"]).values():
+        ids = tok.encode(str(value))
+        runs = lambda seq: any(seq[i:i + len(ids)] == ids for i in range(len(seq)))
+        assert runs(prompt) and runs(reply), value
+
+
+def test_the_stream_opens_with_copying_and_arithmetic_then_draws_the_whole_mix():
+    from lib.training.corpus import MIX, OPENING
+
+    stream = TrainingStream(task_tokenizer(1024), 16, seed=0, opening_batches=3)
+    opening = [s.task for _ in range(3) for s in stream.batch(400)]
+    later = [s.task for _ in range(12) for s in stream.batch(400)]
+    assert set(opening) == set(OPENING) and len(opening) > 3 * 10          # short questions, many per batch
+    assert set(later) == set(MIX)
 
 
 def test_training_lowers_the_reply_loss_distils_the_indexer_and_balances_the_experts(tiny_ckpt):
