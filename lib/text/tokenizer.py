@@ -199,7 +199,7 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
     When the corpus runs out of pairs, the rest is filled with reserved <｜place▁holder▁no▁N｜> tokens,
     as the real vocabulary pads itself. `single_digits`: every digit is a token of its own (numbers are
     never merged), so a model can learn arithmetic digit by digit instead of one token per number.
-    `lone_spaces`: a space is always a token of its own, so a word is spelt by the same tokens whether a space
+    `lone_spaces`: a space before a letter is a token of its own, so a word is spelt by the same tokens whether a space
     precedes it or not ("Tell Naitros" and `">Naitros`), and copying it is copying tokens.
     """
     floor = len(SPECIAL_TOKENS) + 256
