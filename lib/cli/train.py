@@ -1,4 +1,4 @@
-"""`dsv4gen train-tiny`: train the tiny preset on the task mix and write it in the official checkpoint format
+"""`dsv4gen train-tiny`: train the `trained` tiny preset on the task mix and write it in the official checkpoint format
 (lib/training). Prints the time it took and the held-out exact match of the checkpoint it wrote."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     from lib.training.loop import TrainConfig
 
     d = TrainConfig()
-    s = sub.add_parser("train-tiny", help="train the tiny preset on the checkable task mix, on this CPU, and write it "
+    s = sub.add_parser("train-tiny", help="train the tiny model (window 32) on the checkable task mix, on this CPU, and write it "
                                           "as an official-format checkpoint")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.add_argument("--seed", type=int, default=d.seed, help=f"initial weights and training stream (default {d.seed})")

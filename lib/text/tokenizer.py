@@ -193,14 +193,16 @@ def _learn_merges(words, budget: int, taken: set[str]):
 
 
 def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digits: bool = False,
-                         lone_spaces: bool = False) -> _Backend:
-    """Specials at 0..S-1, the 256 byte symbols, then `corpus` merges up to exactly vocab_size ids.
+                         lone_spaces: bool = False, whole: tuple[str, ...] = ()) -> _Backend:
+    """Specials at 0..S-1, the 256 byte symbols, then `corpus` merges, then `whole`, up to exactly vocab_size ids.
 
     When the corpus runs out of pairs, the rest is filled with reserved <｜place▁holder▁no▁N｜> tokens,
     as the real vocabulary pads itself. `single_digits`: every digit is a token of its own (numbers are
     never merged), so a model can learn arithmetic digit by digit instead of one token per number.
     `lone_spaces`: a space before a letter is a token of its own, so a word is spelt by the same tokens whether a space
     precedes it or not ("Tell Naitros" and `">Naitros`), and copying it is copying tokens.
+    `whole`: strings that are one token each wherever they occur (added tokens that are not special, so they decode as
+    text), for fixed markup a pre-tokenizer would otherwise cut into many pieces.
     """
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
@@ -208,9 +210,13 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
                          f"tokens and 256 byte symbols need at least {floor}")
     alphabet = _byte_alphabet()
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *alphabet))}
-    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces), vocab_size - floor, set(vocab))
-    for tok in new_tokens:
-        vocab[tok] = len(vocab)
+    if vocab_size < floor + len(whole):
+        raise ValueError(f"vocab_size {vocab_size} is too small for {len(whole)} whole-string tokens "
+                         f"(at least {floor + len(whole)})")
+    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces),
+                                       vocab_size - floor - len(whole), set(vocab))
+    for tok in (*new_tokens, *whole):
+        vocab.setdefault(tok, len(vocab))
     fillers = [f"<｜place▁holder▁no▁{n}｜>" for n in range(1, vocab_size - len(vocab) + 1)]
     for tok in fillers:
         vocab[tok] = len(vocab)
@@ -220,6 +226,7 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
     # Already in the model vocab, so the added tokens keep ids 0..S-1 (and the filler ids).
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t in (*SPECIAL_TOKENS, *fillers)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in whole])
     assert backend.get_vocab_size(with_added_tokens=True) == vocab_size
     return backend
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from lib.evaluation import tasks
 from lib.evaluation.suite import prompt_text, reply_text
+from lib.text.dsml import MARKUP_PIECES
 from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tiny_tokenizer
 
 # share of each task in the training stream (tool calls and retrieval are long; arithmetic needs the most examples)
@@ -44,9 +45,9 @@ def task_tokenizer(vocab_size: int) -> Tokenizer:
                                  count_tokens=lambda s: len(s) // 3):
             parts.append(prompt_text(ex) + reply_text(ex))
     text = "\n".join(parts)
-    for special in SPECIAL_TOKENS:
+    for special in (*MARKUP_PIECES, *SPECIAL_TOKENS):
         text = text.replace(special, "\n")
-    return Tokenizer(build_tiny_tokenizer(vocab_size, text, single_digits=True, lone_spaces=True))
+    return Tokenizer(build_tiny_tokenizer(vocab_size, text, single_digits=True, lone_spaces=True, whole=MARKUP_PIECES))
 
 
 class TrainingStream:

@@ -1,8 +1,9 @@
 """`dsv4gen train-tiny`: from a seed to a trained tiny DeepSeek-V4 checkpoint in the official format, with the record
 of how it was made and how it scores.
 
-1. initial weights: `make-tiny`'s initialisation of the `tiny` preset with this seed (every layer kind of Flash), the
-   learned routers' selection biases set to zero (they then follow the experts' loads: routing.py);
+1. initial weights: `make-tiny`'s initialisation of the `trained` preset (lib/weights/tiny_checkpoint.py) with this
+   seed (every layer kind of Flash), the learned routers' selection biases set to zero (they then follow the experts'
+   loads: routing.py);
 2. the target trained on the task mix's training split (corpus.py, target.py), its indexer distilled from the
    attention it serves (indexer.py), then the DSpark drafter on the frozen target (drafter.py);
 3. the checkpoint written (export.py) with the task mix's tokenizer, then loaded back as any checkpoint is and scored
@@ -37,12 +38,12 @@ TRAINING_DTYPE = torch.float32
 
 class TrainConfig(NamedTuple):
     seed: int = 0
-    steps: int = 3000
+    steps: int = 2700
     drafter_steps: int = 400        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
     lr: float = 2e-3
     eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
-    preset: str = "tiny"
+    preset: str = "trained"
 
 
 def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool = False, log=print) -> dict:

@@ -36,8 +36,11 @@ MAKER_VERSION = 4
 # for 64K positions: long-context conformance (lib/porting/conformance_context.py), where CSA must
 # choose among thousands of entries and HCA attend to more than one block of them. index_topk 64
 # makes the selected entries a real share of each attention (the tiny preset's 4 would not).
+# `trained`: what `dsv4gen train-tiny` trains: window 32, so that a tool call's argument, copied from the request ~25
+# tokens back (lib/evaluation/tasks.py), is within the window (16 would leave it to compressed entries only).
 PRESETS: dict[str, dict] = {
     "tiny": {},
+    "trained": {"sliding_window": 32},
     "tiny-long": {"sliding_window": 128, "compress_ratios": [0, 0, 4, 128, 4, 128], "index_topk": 64,
                   "max_position_embeddings": 65536, "dspark_block_size": None, "dspark_noise_token_id": None,
                   "dspark_target_layer_ids": None, "dspark_markov_rank": None},

@@ -84,6 +84,21 @@ def test_too_small_vocab_is_refused():
         build_tiny_tokenizer(271)
 
 
+def test_whole_strings_are_one_plain_token_each_wherever_they_occur():
+    whole = ('<｜DSML｜invoke name="', '" string="true">')
+    tok = Tokenizer(build_tiny_tokenizer(VOCAB, whole=whole))
+    assert tok.vocab_size == VOCAB
+    text = 'x<｜DSML｜invoke name="get" string="true">y" string="true">'
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert [tok.id_to_token(i) for i in ids].count(whole[1]) == 2
+    assert whole[0] in map(tok.id_to_token, ids)
+    assert not tok.special_ids & set(ids)                      # text: kept when specials are skipped
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    with pytest.raises(ValueError, match="whole-string"):
+        build_tiny_tokenizer(272, whole=whole)
+
+
 def test_merges_take_the_most_frequent_pair_and_break_ties_by_string_order():
     words = [(("a", "b"), 3), (("b", "a"), 3), (("c", "d", "c", "d"), 1)]
     merges, new = _learn_merges(words, budget=10, taken=set("abcd"))

@@ -59,6 +59,21 @@ def test_the_task_tokenizer_spells_a_copied_word_by_the_same_tokens_in_prompt_an
         assert runs(prompt) and runs(reply), value
 
 
+def test_a_tool_calls_first_argument_is_copied_from_within_the_trained_window():
+    from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT
+    from spec.variants import variant_config
+
+    window = variant_config(TINY_VARIANT, PRESETS["trained"]).sliding_window
+    tok = task_tokenizer(1024)
+    for ex in tasks.examples("tool_call", "heldout", 30, seed=0):
+        prompt, reply = tok.encode(prompt_text(ex)), tok.encode(reply_text(ex))
+        value = tok.encode(str(next(iter(json.loads(ex.reply["tool_calls"][0]["function"]["arguments"]).values()))))
+        at_prompt = max(i for i in range(len(prompt)) if prompt[i:i + len(value)] == value)
+        at_reply = next(i for i in range(len(reply)) if reply[i:i + len(value)] == value)
+        # the reply token that starts the copy looks back this far (its query is the token before it)
+        assert len(prompt) + at_reply - 1 - at_prompt < window, prompt_text(ex)
+
+
 def test_the_stream_opens_with_copying_and_arithmetic_then_draws_the_whole_mix():
     from lib.training.corpus import MIX, OPENING
 
