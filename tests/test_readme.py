@@ -61,7 +61,7 @@ COMMANDS: list[tuple[str, str | None]] = [
                           "tests/weights/test_msmodelslim.py"),
     (r"dsv4gen capture ", "exports the step per bucket (about a minute per backend): tests/runtime/test_step_graph.py"),
     (r"dsv4gen eval ", "runs held-out questions through the engine twice (about a minute): tests/evaluation/test_eval_command.py"),
-    (r"dsv4gen train-tiny ", "trains for most of an hour: tests/training/test_train_tiny.py runs a few steps"),
+    (r"dsv4gen train-tiny ", "trains for about an hour and a half: tests/training/test_train_tiny.py runs a few steps"),
     (r"python -m pytest .*-m slow", "the slow test matrix, an hour or more on 2 cores"),
     (r"lint-imports( |$)", "tests/test_layering.py runs it"),
     (r"dsv4gen inventory ", RUN),

@@ -170,8 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("make-tiny", help="write a small random checkpoint in the official format")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--preset", default="tiny", help="tiny (default), trained (window 32: what train-tiny trains) or tiny-long "
-                                                        "(window 128, compress ratios 4 / 128)")
+    s.add_argument("--preset", default="tiny",
+                   help="tiny (default), trained (window 32: what train-tiny trains) or tiny-long (window 128, "
+                        "compress ratios 4 / 128)")
     s.add_argument("--variant", default="tiny",
                    help="model variant at tiny widths: tiny (default; Flash's schedule), pro-tiny (Pro's) or "
                         "v41-tiny (DeepSeek-V4.1's; the cpu reference runs its backbone)")

@@ -11,8 +11,9 @@ def add_parser(sub) -> None:
     from lib.training.loop import TrainConfig
 
     d = TrainConfig()
-    s = sub.add_parser("train-tiny", help="train the tiny model (window 32) on the checkable task mix, on this CPU, and write it "
-                                          "as an official-format checkpoint")
+    s = sub.add_parser("train-tiny",
+                       help="train the tiny model (window 32) on the checkable task mix, on this CPU, and write it "
+                            "as an official-format checkpoint")
     s.add_argument("--out", required=True, help="checkpoint folder to write")
     s.add_argument("--seed", type=int, default=d.seed, help=f"initial weights and training stream (default {d.seed})")
     s.add_argument("--steps", type=int, default=d.steps, help=f"optimiser steps (default {d.steps})")

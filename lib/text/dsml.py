@@ -18,8 +18,9 @@ _INVOKE_OPEN = re.compile(rf'<{DSML}invoke name="([^"\n]*)">')
 _INVOKE_CLOSE = f"</{DSML}invoke>"
 _PARAM_OPEN = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
 _PARAM_CLOSE = f"</{DSML}parameter>"
-# The fixed pieces of a rendered call, in the order a call writes them: a tokenizer may hold each as one token so that
-# a call's argument values sit close to the request they are copied from.
+# The fixed pieces of a rendered call, in the order a call writes them (all but the `">` closing the invoke tag, which
+# would match everywhere): a tokenizer may hold each as one token so that a call's argument values sit close to the
+# request they are copied from.
 MARKUP_PIECES = (BLOCK_OPEN, f'<{DSML}invoke name="', f'<{DSML}parameter name="', '" string="true">',
                  '" string="false">', _PARAM_CLOSE, _INVOKE_CLOSE, BLOCK_CLOSE)
 # The official turn puts a blank line between the content and the block; parsing removes it.

@@ -3,7 +3,7 @@
 Holds the V4 special-token table, builds the deterministic tiny tokenizer used by test checkpoints,
 writes tokenizer files, and wraps a checkpoint's tokenizer.json with a streaming detokenizer.
 Must not know the chat layout (lib/text/chat_encoding.py) or the tool markup (lib/text/dsml.py): it only knows which
-strings are single special tokens.
+strings are single tokens (its special tokens, and whole strings a caller names).
 """
 from __future__ import annotations
 
@@ -215,8 +215,14 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
                          f"(at least {floor + len(whole)})")
     merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces),
                                        vocab_size - floor - len(whole), set(vocab))
-    for tok in (*new_tokens, *whole):
-        vocab.setdefault(tok, len(vocab))
+    for tok in new_tokens:
+        vocab[tok] = len(vocab)
+    for tok in whole:
+        # a string the vocabulary already holds would have two spellings of its bytes under one id
+        if tok in vocab or tok.startswith("<｜place▁holder▁no▁"):
+            raise ValueError(f"whole-string token {tok!r} is already in the vocabulary (a special token, byte symbol, "
+                             f"merge or filler)")
+        vocab[tok] = len(vocab)
     fillers = [f"<｜place▁holder▁no▁{n}｜>" for n in range(1, vocab_size - len(vocab) + 1)]
     for tok in fillers:
         vocab[tok] = len(vocab)

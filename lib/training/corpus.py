@@ -2,11 +2,13 @@
 encoding, its tokenizer, and batches of whole conversations.
 
 The tokenizer is the tiny byte-level BPE (lib/text/tokenizer.py) with its merges learnt from the task mix's own text
-(the chat template and tools block included), one token per digit, so prompts are short and arithmetic is
-learnt digit by digit, and a space before a letter a token of its own, so a word copied from the question into the answer is
-the same tokens in both. A training sequence is one conversation; the loss is taken on the assistant's reply (its
-end-of-sentence included), the only tokens a user ever sees generated. Retrieval gaps are drawn from one window up to
-past the held-out gap, so that the model learns to look back any distance rather than one fixed one.
+(the chat template and tools block included), one token per digit, so prompts are short and arithmetic is learnt digit
+by digit, and a space before a letter a token of its own, so a word copied from the question into the answer is the
+same tokens in both; each fixed piece of a DSML call is one token (lib/text/dsml.py MARKUP_PIECES), so a call's
+arguments sit close to the request they are copied from. A training sequence is one conversation; the loss is taken
+on the assistant's reply (its end-of-sentence included), the only tokens a user ever sees generated. Retrieval gaps
+are drawn from one window up to past the held-out gap, so that the model learns to look back any distance rather than
+one fixed one.
 Must not know the model, the optimiser or the checkpoint format.
 """
 from __future__ import annotations

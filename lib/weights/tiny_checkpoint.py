@@ -4,7 +4,8 @@ Weights are drawn per logical tensor of the spec's tensor table (same order, one
 generator), then encoded by the tensor's storage format (FP8 + E8M0 block scales, packed MXFP4,
 BF16/F32/I64), so the loader, codecs and every backend see what a real checkpoint holds. The
 embedded tiny checkpoint is this with the `tiny` preset, cached on first use; `PRESETS` adds
-override sets of that variant for checks the tiny widths serve but its window and ratios do not.
+override sets of that variant: for checks the tiny widths serve but its window and ratios do not (`tiny-long`), and
+for training (`trained`).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ MAKER_VERSION = 4
 # for 64K positions: long-context conformance (lib/porting/conformance_context.py), where CSA must
 # choose among thousands of entries and HCA attend to more than one block of them. index_topk 64
 # makes the selected entries a real share of each attention (the tiny preset's 4 would not).
-# `trained`: what `dsv4gen train-tiny` trains: window 32, so that a tool call's argument, copied from the request ~25
-# tokens back (lib/evaluation/tasks.py), is within the window (16 would leave it to compressed entries only).
+# `trained`: what `dsv4gen train-tiny` trains: window 32, so that a tool call's first argument, copied from the request
+# 18 to 27 tokens back under the task tokenizer (lib/training/corpus.py, tests/training/test_train_tiny.py), is within
+# the window (16 would leave it to compressed entries only).
 PRESETS: dict[str, dict] = {
     "tiny": {},
     "trained": {"sliding_window": 32},

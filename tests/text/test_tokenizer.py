@@ -95,8 +95,12 @@ def test_whole_strings_are_one_plain_token_each_wherever_they_occur():
     assert whole[0] in map(tok.id_to_token, ids)
     assert not tok.special_ids & set(ids)                      # text: kept when specials are skipped
     assert tok.decode(ids, skip_special_tokens=True) == text
+    stream = DetokenizeStream(tok, skip_special_tokens=True)           # as the engine streams a reply
+    assert "".join(map(stream.feed, ids)) + stream.flush() == text
     with pytest.raises(ValueError, match="whole-string"):
         build_tiny_tokenizer(272, whole=whole)
+    with pytest.raises(ValueError, match="already in the vocabulary"):
+        build_tiny_tokenizer(VOCAB, whole=("a",))                      # a byte symbol
 
 
 def test_merges_take_the_most_frequent_pair_and_break_ties_by_string_order():

@@ -60,10 +60,11 @@ def test_the_task_tokenizer_spells_a_copied_word_by_the_same_tokens_in_prompt_an
 
 
 def test_a_tool_calls_first_argument_is_copied_from_within_the_trained_window():
+    from lib.training.loop import TrainConfig
     from lib.weights.tiny_checkpoint import PRESETS, TINY_VARIANT
     from spec.variants import variant_config
 
-    window = variant_config(TINY_VARIANT, PRESETS["trained"]).sliding_window
+    window = variant_config(TINY_VARIANT, PRESETS[TrainConfig().preset]).sliding_window
     tok = task_tokenizer(1024)
     for ex in tasks.examples("tool_call", "heldout", 30, seed=0):
         prompt, reply = tok.encode(prompt_text(ex)), tok.encode(reply_text(ex))
@@ -139,6 +140,7 @@ def test_train_tiny_runs_end_to_end_and_records_what_it_did(tmp_path, capsys):
     held = record["heldout"]
     assert set(held["accuracy"]) == {"arithmetic", "counting", "copying", "facts", "retrieval", "tool_call"}
     assert held["dspark_replies_identical"] is True
+    assert json.loads((out / "config.json").read_text())["sliding_window"] == 32   # the trained preset's window
     assert "held-out exact match" in printed and str(out) in printed
     load_model(out, "ascend910")                                         # a device backend takes it as any checkpoint
     assert main(["train-tiny", "--out", str(out), "--steps", "1"]) == 2  # refuses to overwrite without --force
