@@ -35,7 +35,8 @@ TASK_TOKENS = MappingProxyType({
     "extracted_url": "<｜extracted_url｜>",
 })
 # The tiny model's DSpark noise token: a reserved slot, like the real vocabulary's placeholders.
-DSPARK_NOISE = "<｜place▁holder▁no▁0｜>"
+PLACEHOLDER = "<｜place▁holder▁no▁{}｜>"
+DSPARK_NOISE = PLACEHOLDER.format(0)
 
 # Order is the id assignment of the tiny tokenizer: BOS=0 and EOS=1 match the real checkpoint;
 # the others live at 128xxx there, which a tiny vocabulary cannot mirror.
@@ -131,7 +132,8 @@ def _pre_tokenizer(single_digits: bool, lone_spaces: bool = False):
     return pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
 
 
-def _word_counts(corpus: str, single_digits: bool = False, lone_spaces: bool = False) -> list[tuple[tuple[str, ...], int]]:
+def _word_counts(corpus: str, single_digits: bool = False,
+                 lone_spaces: bool = False) -> list[tuple[tuple[str, ...], int]]:
     split = _pre_tokenizer(single_digits, lone_spaces)
     counts = Counter(word for word, _ in split.pre_tokenize_str(corpus))
     return [(tuple(word), n) for word, n in sorted(counts.items())]
@@ -204,26 +206,22 @@ def build_tiny_tokenizer(vocab_size: int, corpus: str = TINY_CORPUS, single_digi
     `whole`: strings that are one token each wherever they occur (added tokens that are not special, so they decode as
     text), for fixed markup a pre-tokenizer would otherwise cut into many pieces.
     """
-    floor = len(SPECIAL_TOKENS) + 256
+    floor = len(SPECIAL_TOKENS) + 256 + len(whole)
     if vocab_size < floor:
-        raise ValueError(f"vocab_size {vocab_size} is too small: the {len(SPECIAL_TOKENS)} special "
-                         f"tokens and 256 byte symbols need at least {floor}")
+        raise ValueError(f"vocab_size {vocab_size} is too small: the {len(SPECIAL_TOKENS)} special tokens, 256 byte "
+                         f"symbols and {len(whole)} whole-string tokens need at least {floor}")
     alphabet = _byte_alphabet()
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *alphabet))}
-    if vocab_size < floor + len(whole):
-        raise ValueError(f"vocab_size {vocab_size} is too small for {len(whole)} whole-string tokens "
-                         f"(at least {floor + len(whole)})")
-    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces),
-                                       vocab_size - floor - len(whole), set(vocab))
+    merges, new_tokens = _learn_merges(_word_counts(corpus, single_digits, lone_spaces), vocab_size - floor, set(vocab))
     for tok in new_tokens:
         vocab[tok] = len(vocab)
     for tok in whole:
         # a string the vocabulary already holds would have two spellings of its bytes under one id
-        if tok in vocab or tok.startswith("<｜place▁holder▁no▁"):
+        if tok in vocab or tok.startswith(PLACEHOLDER.split("{")[0]):
             raise ValueError(f"whole-string token {tok!r} is already in the vocabulary (a special token, byte symbol, "
                              f"merge or filler)")
         vocab[tok] = len(vocab)
-    fillers = [f"<｜place▁holder▁no▁{n}｜>" for n in range(1, vocab_size - len(vocab) + 1)]
+    fillers = [PLACEHOLDER.format(n) for n in range(1, vocab_size - len(vocab) + 1)]
     for tok in fillers:
         vocab[tok] = len(vocab)
     backend = _Backend(models.BPE(vocab=vocab, merges=merges))
