@@ -2,7 +2,7 @@
 
 The socket is bound only after the model is loaded and the engine built, so "connection refused"
 means "still loading" and a successful connect means the server can answer (vLLM's contract).
-With no --model it serves the embedded tiny checkpoint on this CPU.
+With no --model it serves the trained tiny checkpoint shipped with the package (`dsv4gen train-tiny`, seed 0).
 On SIGINT / SIGTERM every open request ends at once (a stream with an error event, then [DONE]), its
 caches are freed, and the process exits 0 without a traceback. Each request gets one log line
 (`dsv4gen.serve.requests`, INFO, on stderr) unless --disable-log-requests.
@@ -25,7 +25,7 @@ TINY_NAME = "deepseek-v4-tiny"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve", description="OpenAI-compatible DeepSeek-V4 server")
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint, made on first use)")
+    p.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny checkpoint)")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="auto: the device this machine has")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
@@ -103,9 +103,9 @@ def prepare(argv: list[str] | None = None, *, out=None) -> Prepared:
     if args.model:
         path, name = Path(args.model), args.served_model_name or Path(args.model).resolve().name
     else:
-        from lib.weights.tiny_checkpoint import embedded_tiny
-        path, name = embedded_tiny(out=out), args.served_model_name or TINY_NAME   # says so when it makes it
-        print(f"using the embedded tiny checkpoint {path}", file=out)
+        from lib.weights.tiny_checkpoint import shipped_trained
+        path, name = shipped_trained(), args.served_model_name or TINY_NAME
+        print(f"using the shipped trained tiny checkpoint {path}", file=out)
     args.backend = detect_backend() if args.backend == "auto" else args.backend
     ranks = max(args.tp, args.ep)
     print(f"loading {path} for backend {args.backend}" + (f" on {ranks} ranks (TP={args.tp}, EP={args.ep})"

@@ -28,9 +28,9 @@ def test_ci_runs_the_readme_test_command():
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_main_job_command_serves_the_embedded_checkpoint():
+def test_main_job_command_serves_the_shipped_checkpoint():
     main_job = _readme_commands()[0]
-    assert main_job.endswith("python -m serve")     # no --model: the embedded tiny (tests/serve/test_serve_main.py runs it)
+    assert main_job.endswith("python -m serve")     # no --model: the shipped trained tiny (tests/serve/test_serve_main.py)
     assert "torch==2.13.0" in main_job
 
 

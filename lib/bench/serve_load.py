@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per concurrent client")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--speculative", choices=["dspark", "none"], default="none")
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    p.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny checkpoint)")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--out", help="folder for serve_bench.json")
     args = p.parse_args(argv)

@@ -1,14 +1,14 @@
 """Engine benchmark: decode throughput with and without DSpark speculation, side by side.
 
-    python -m lib.bench.speculation [--backend cpu] [--tokens 64] [--batches 1,4,16] [--out DIR]
+    python -m lib.bench.speculation [--backend cpu] [--tokens 64] [--batches 1,4,16] [--tasks T,...] [--out DIR]
 
 Loads one checkpoint (default: the embedded tiny one) once, then for each batch size b runs greedy requests to
 completion on a fresh `lib.engine.llm_engine.Engine` (`engine.generate`), in four modes. The requests (--prompts):
-- `tokens` (the default on a random checkpoint): the first b of 16 distinct prompts of 24-40 fixed token ids, all
-  at once, each running to max_tokens;
-- `tasks` (the default on a checkpoint written by train-tiny: what its drafter learnt to draft): 16 held-out
-  questions of the task mix in the V4 chat encoding, the tasks taking turns, b decoding together
-  (max_num_seqs=b), each ending at its end of sentence: every cell does the same work.
+- `tokens` (the default on a random checkpoint without --tasks): the first b of 16 distinct prompts of 24-40 fixed
+  token ids, all at once, each running to max_tokens;
+- `tasks` (the default on a checkpoint written by train-tiny, or with --tasks: what its drafter learnt to draft):
+  16 held-out questions of the task mix (or of the --tasks named) in the V4 chat encoding, the tasks taking turns,
+  b decoding together (max_num_seqs=b), each ending at its end of sentence: every cell does the same work.
 
 - plain:                    speculative="none"
 - dspark (adaptive):        speculative="dspark", the checkpoint's own drafter, drafting while it pays and each
@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", choices=("tokens", "tasks"), default=None,
                    help="fixed token ids, or held-out task-mix questions (default: tasks on a checkpoint written by "
                         "train-tiny, else tokens)")
+    p.add_argument("--tasks", default=None,
+                   help="with --prompts tasks: comma-separated tasks whose questions to ask (default: all of them)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per cell; the fastest is reported, every wall time is kept (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -68,6 +70,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--batches: each batch size must be in 1..{MAX_BATCH}")
     if args.tokens < 1:
         p.error("--tokens must be >= 1")
+    if args.tasks is not None:
+        from lib.evaluation.tasks import TASKS
+        args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+        unknown = [t for t in args.tasks if t not in TASKS]
+        if not args.tasks or unknown:
+            p.error(f"--tasks: unknown task(s) {', '.join(unknown) or '(none given)'} (accepted: {', '.join(TASKS)})")
+        if args.prompts == "tokens":
+            p.error("--tasks asks task questions: it does not go with --prompts tokens")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -86,14 +96,16 @@ def make_prompts(cfg, n: int = N_PROMPTS) -> list[list[int]]:
     return prompts
 
 
-def task_prompts(tok, cfg, n: int = N_PROMPTS) -> list[list[int]]:
-    """n held-out task-mix questions in the V4 chat encoding, the tasks taking turns."""
+def task_prompts(tok, cfg, n: int = N_PROMPTS, tasks: tuple[str, ...] | None = None) -> list[list[int]]:
+    """n held-out questions of `tasks` (default: the whole task mix) in the V4 chat encoding, the tasks taking
+    turns."""
     from lib.evaluation import suite
     from lib.evaluation.tasks import TASKS
 
-    per_task = -(-n // len(TASKS))
-    exs = suite.heldout_for(cfg, tok, TASKS, per_task)
-    turns = [exs[t * per_task + i] for i in range(per_task) for t in range(len(TASKS))][:n]
+    tasks = tasks or TASKS
+    per_task = -(-n // len(tasks))
+    exs = suite.heldout_for(cfg, tok, tasks, per_task)
+    turns = [exs[t * per_task + i] for i in range(per_task) for t in range(len(tasks))][:n]
     return [tok.encode(suite.prompt_text(ex)) for ex in turns]
 
 
@@ -249,14 +261,15 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     model = load_model(path, args.backend)
     load_s = time.perf_counter() - t0
     trained = trained_on_task_mix(path)
-    args.prompts = args.prompts or ("tasks" if trained else "tokens")
+    args.prompts = args.prompts or ("tasks" if trained or args.tasks else "tokens")
     tok = Tokenizer.from_dir(path) if args.prompts == "tasks" else None     # task questions end where they answer
-    prompts = task_prompts(tok, model.cfg) if tok is not None else make_prompts(model.cfg)
+    prompts = task_prompts(tok, model.cfg, tasks=args.tasks) if tok is not None else make_prompts(model.cfg)
     lengths = [len(p) for p in prompts]
     print(f"checkpoint {path}{' (embedded tiny)' if not args.checkpoint else ''}; backend {args.backend} "
           f"(compute {str(model.state_dtype).removeprefix('torch.')}); torch {torch.__version__}; "
           f"threads {torch.get_num_threads()}; python {platform.python_version()}", flush=True)
-    what = "held-out task-mix questions" if args.prompts == "tasks" else "distinct prompts"
+    what = (f"held-out {'task-mix' if not args.tasks else '/'.join(args.tasks)} questions" if args.prompts == "tasks"
+            else "distinct prompts")
     print(f"requests: greedy, max_tokens {args.tokens}, {what} of {min(lengths)}-{max(lengths)} tokens; "
           f"EngineConfig(max_num_seqs={MAX_BATCH}, max_num_batched_tokens=512); model load {load_s:.2f} s "
           "(excluded)", flush=True)
@@ -299,7 +312,8 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
                for m in DRAFTING}
     result = {
         "command": command, "argv": argv, "backend": args.backend, "checkpoint": str(path),
-        "embedded_tiny": not args.checkpoint, "prompts": args.prompts, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "embedded_tiny": not args.checkpoint, "prompts": args.prompts, "tasks": list(args.tasks or ()),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
         "platform": platform.platform(), "cpu_count": os.cpu_count(), "compute_dtype": str(model.state_dtype),
         "max_tokens": args.tokens, "batches": args.batches, "repeats": args.repeats, "gamma": gamma, "prompt_lengths": lengths[:n_ref],

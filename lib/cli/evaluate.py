@@ -22,7 +22,7 @@ def add_parser(sub, backend_names: list[str], model_path, load_options) -> None:
 
     s = sub.add_parser("eval", help="held-out task accuracy through the engine (exact match), with and without DSpark")
     s.add_argument("--backend", default="cpu", choices=backend_names)
-    s.add_argument("--model", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    s.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny checkpoint)")
     s.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated tasks (default: all of {', '.join(TASKS)})")
     s.add_argument("--per-task", type=int, default=20, help="held-out questions per task (default 20)")
     s.add_argument("--seed", type=int, default=0, help="which held-out questions (default 0)")

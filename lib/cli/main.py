@@ -61,6 +61,16 @@ def _model_path(args, preset: str = "tiny") -> Path:
     return path
 
 
+def _trained_model_path(args) -> Path:
+    """--model, or the shipped trained tiny checkpoint: what task accuracy means something on."""
+    if args.model:
+        return Path(args.model)
+    from lib.weights.tiny_checkpoint import shipped_trained
+    path = shipped_trained()
+    print(f"using the shipped trained tiny checkpoint {path}", file=sys.stderr)
+    return path
+
+
 def _load_options(args):
     from lib.weights.params import LoadOptions
     return LoadOptions(expert_mode=args.expert_mode, preconverted=args.preconverted)
@@ -216,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     add_capture(sub, backend_names(), _model_path)
 
     from lib.cli.evaluate import add_parser as add_eval
-    add_eval(sub, backend_names(), _model_path, _load_options)
+    add_eval(sub, backend_names(), _trained_model_path, _load_options)
 
     from lib.cli.train import add_parser as add_train
     add_train(sub)

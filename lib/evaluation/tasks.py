@@ -6,7 +6,8 @@ values; the fact table (lib/evaluation/names.py) is fixed and held out by phrasi
 values from each split's own stream. Every example is a list of OpenAI-style messages (plus tools) and the assistant
 message that answers it, so it is written in the V4 chat encoding by the same encoder the server uses.
 
-- arithmetic: "What is 17+25?" -> "42" (sums and differences of numbers below 100, products below 13 x 13)
+- arithmetic: "What is 17+25?" -> "7+5=12, 1+2+1=4, so 17+25=42" (the digit steps, then the result; sums and
+              differences of numbers below 100, products below 13 x 13)
 - counting:   how often a letter occurs in a made-up string -> "3"
 - copying:    "Repeat exactly: ..." -> the same words
 - facts:      the capital, language or national animal of a made-up country -> its value in the table
@@ -53,14 +54,42 @@ def _answer(text: str) -> dict:
 ARITHMETIC = ("What is {a}{op}{b}?", "Compute {a} {op} {b}.", "{a}{op}{b}=?", "Calculate {a}{op}{b}, please.")
 
 
+def worked(a: int, op: str, b: int) -> str:
+    """The reply to a{op}b: its digit steps, then the result ("7+5=12, 1+2+1=4, so 17+25=42").
+
+    Each step is a lookup a small model can learn from other questions, so a held-out question is answered from
+    steps seen in training rather than from a memorised result: a sum adds the units, then the tens with the carry; a
+    difference takes the smaller number from the larger (units with the borrow, then tens less it) and signs the
+    result; a product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12
+    into ten and the rest.
+    """
+    if op == "+":
+        units = a % 10 + b % 10
+        tens = a // 10 + b // 10 + units // 10
+        return f"{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a}+{b}={a + b}"
+    if op == "-":
+        big, small = max(a, b), min(a, b)
+        borrow = int(big % 10 < small % 10)
+        units = f"{'1' if borrow else ''}{big % 10}-{small % 10}={big % 10 + 10 * borrow - small % 10}"
+        tens = f"{big // 10}-{small // 10}-{borrow}={big // 10 - small // 10 - borrow}"
+        return f"{units}, {tens}, so {a}-{b}={a - b}"
+    if op != "*":
+        raise ValueError(f"arithmetic: unknown operator {op!r} (one of + - *)")
+    small, big = min(a, b), max(a, b)
+    if big < 10:
+        return f"{small}*{big}={a * b}, so {a}*{b}={a * b}"
+    rest = small * (big - 10)
+    return f"{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a}*{b}={a * b}"
+
+
 def arithmetic(rng: random.Random, split: str) -> Example:
     while True:
         op = rng.choice("+-*")
         hi = 13 if op == "*" else 100
         a, b = rng.randrange(hi), rng.randrange(hi)
         if _in_split(split, a, op, b):
-            value = {"+": a + b, "-": a - b, "*": a * b}[op]
-            return Example("arithmetic", _user(rng.choice(ARITHMETIC).format(a=a, op=op, b=b)), None, _answer(str(value)))
+            return Example("arithmetic", _user(rng.choice(ARITHMETIC).format(a=a, op=op, b=b)), None,
+                           _answer(worked(a, op, b)))
 
 
 def counting(rng: random.Random, split: str) -> Example:

@@ -181,3 +181,17 @@ def embedded_tiny(out=None, preset: str = "tiny") -> Path:
         make(path, overwrite=True)
         print(f"made the embedded tiny checkpoint: done in {time.monotonic() - start:.1f} s", file=out, flush=True)
     return path
+
+
+# The trained tiny checkpoint shipped with the package: what `dsv4gen train-tiny --out DIR --seed 0` writes (its
+# training.json holds the command, seed, time and held-out accuracy), so first use serves it without training.
+SHIPPED_TRAINED = Path(__file__).resolve().parent / "trained_tiny"
+
+
+def shipped_trained() -> Path:
+    """The shipped trained tiny checkpoint's directory (what `python -m serve` and `dsv4gen eval` use by default)."""
+    if not (SHIPPED_TRAINED / "config.json").exists() or not trained_on_task_mix(SHIPPED_TRAINED):
+        raise FileNotFoundError(f"the shipped trained checkpoint is missing from {SHIPPED_TRAINED} (an install without "
+                                "package data?): pass --model DIR, or write it with `dsv4gen train-tiny --out DIR "
+                                "--seed 0`")
+    return SHIPPED_TRAINED

@@ -61,3 +61,25 @@ def test_task_questions_run_every_cell_on_the_same_requests(tiny_ckpt, tmp_path,
     # one work load per cell: the same requests give the same tokens at every concurrency
     assert runs["plain", 1]["generated_tokens"] == runs["plain", 4]["generated_tokens"] == runs["oracle", 4]["generated_tokens"]
     assert runs["plain", 1]["engine_steps"] > runs["plain", 4]["engine_steps"]
+
+
+def test_task_questions_of_chosen_tasks(tiny_ckpt, tmp_path, capsys):
+    rc = bench.main(["--backend", "cpu", "--checkpoint", str(tiny_ckpt), "--tasks", "arithmetic,copying",
+                     "--tokens", "2", "--batches", "2", "--threads", "1", "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "held-out arithmetic/copying questions" in printed
+    result = json.loads((tmp_path / "engine-bench.json").read_text())
+    assert result["prompts"] == "tasks" and result["tasks"] == ["arithmetic", "copying"]
+
+
+def test_unknown_or_misplaced_tasks_are_refused(capsys):
+    for argv in (["--tasks", "poetry"], ["--tasks", ","], ["--prompts", "tokens", "--tasks", "facts"]):
+        try:
+            bench.parse_args(argv)
+        except SystemExit as done:
+            assert done.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+    err = capsys.readouterr().err
+    assert "unknown task(s) poetry" in err and "(none given)" in err and "does not go with --prompts tokens" in err

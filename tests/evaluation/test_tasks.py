@@ -10,7 +10,7 @@ import pytest
 from lib.evaluation.names import PLACES, fact_table
 from lib.evaluation.scoring import is_correct
 from lib.evaluation.suite import prompt_text, reply_text
-from lib.evaluation.tasks import TASKS, examples
+from lib.evaluation.tasks import TASKS, examples, worked
 from lib.text.tokenizer import EOS, Tokenizer, build_tiny_tokenizer
 
 TOK = Tokenizer(build_tiny_tokenizer(1024))
@@ -33,10 +33,23 @@ def test_every_example_is_answered_by_its_own_reply_and_the_encoding_extends_the
             assert is_correct(ex, reply[: -len(EOS)])
 
 
+def _calc(a: int, op: str, b: int) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
 def test_the_answers_are_the_questions_answers():
     for e in examples("arithmetic", "heldout", 50):
         a, op, b = re.search(r"(\d+) ?([-+*]) ?(\d+)", e.messages[0]["content"]).groups()
-        assert int(e.reply["content"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert e.reply["content"] == worked(int(a), op, int(b))
+    questions = [(a, op, b) for op in "+-" for a in range(100) for b in range(100)]
+    for a, op, b in questions + [(a, "*", b) for a in range(13) for b in range(13)]:    # every question there is
+        steps, result = worked(a, op, b).split(", so ")
+        assert result == f"{a}{op}{b}={_calc(a, op, b)}"
+        for step in steps.split(", "):     # every worked step is itself true
+            left, right = step.split("=")
+            terms = re.fullmatch(r"(\d+)([-+*])(\d+)(?:([-+])(\d+))?", left).groups()
+            value = _calc(int(terms[0]), terms[1], int(terms[2]))
+            assert int(right) == (value if terms[3] is None else _calc(value, terms[3], int(terms[4]))), step
     for e in examples("counting", "train", 50):
         letter, text = re.search(r"letter (\w) appear in (\w+)\?", e.messages[0]["content"]).groups()
         assert int(e.reply["content"]) == text.count(letter)
@@ -77,7 +90,9 @@ def test_the_retrieved_record_sits_at_least_the_gap_before_the_question():
 def test_scoring_refuses_near_misses():
     ex = examples("arithmetic", "heldout", 1)[0]
     value = ex.reply["content"]
-    assert is_correct(ex, f" {value}\n") and not is_correct(ex, str(int(value) + 1)) and not is_correct(ex, f"{value}.")
+    steps, result = value.rsplit("=", 1)
+    assert is_correct(ex, f" {value}\n") and not is_correct(ex, f"{steps}={int(result) + 1}")
+    assert not is_correct(ex, f"{value}.") and not is_correct(ex, result)      # the bare result skips the steps
     call = examples("tool_call", "heldout", 1)[0]
     good = reply_text(call)[: -len(EOS)]
     args = json.loads(call.reply["tool_calls"][0]["function"]["arguments"])

@@ -1,4 +1,4 @@
-"""The README's main job: `python -m serve` on the embedded tiny checkpoint, in a real subprocess, answers
+"""The README's main job: `python -m serve` on the shipped trained tiny checkpoint, in a real subprocess, answers
 the README's documented curl call; `dsv4gen serve` is the same server."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -52,7 +51,9 @@ def test_python_m_serve_answers_the_readme_curl_call():
         assert r.status_code == 200, r.text
         reply = r.json()
         assert reply["object"] == "chat.completion" and reply["model"] == "deepseek-v4-tiny"
-        assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        a, b = map(int, re.fullmatch(r"What is (\d+)\+(\d+)\?", body["messages"][-1]["content"]).groups())
+        assert reply["choices"][0]["message"]["content"].endswith(f"so {a}+{b}={a + b}")   # the shipped model answers
     finally:
         proc.send_signal(signal.SIGINT)             # uvicorn shuts down gracefully on Ctrl-C, then
         try:                                        # re-raises the signal: exit 0 or "killed by SIGINT"
@@ -76,38 +77,27 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
-def test_the_embedded_checkpoint_is_announced_while_made_and_not_claimed_later(tiny_ckpt, tmp_path, monkeypatch,
-                                                                                capsys):
-    monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "cache"))
-    made = []
-
-    def make_tiny(path, overwrite=False):             # the real one takes seconds: the same bytes, copied
-        made.append(path)
-        return Path(shutil.copytree(tiny_ckpt, path, dirs_exist_ok=overwrite))
-
+def test_with_no_model_it_serves_the_shipped_trained_checkpoint(monkeypatch):
     class Loading(Exception):
         pass
 
+    seen = []
+
     def launch(spec):                                 # stop where loading starts: the messages are written
+        seen.append(spec)
         raise Loading
-    monkeypatch.setattr(tiny, "make_tiny", make_tiny)
     monkeypatch.setattr(lib.launcher.ranks, "launch", launch)
-
-    first, later = io.StringIO(), io.StringIO()
+    out = io.StringIO()
     with pytest.raises(Loading):
-        prepare(["--port", "0"], out=first)
-    path = tmp_path / "cache" / made[0].name
-    lines = first.getvalue().splitlines()
-    assert lines[0] == f"making the embedded tiny checkpoint in {path} (first use) ..."
-    assert re.fullmatch(r"made the embedded tiny checkpoint: done in \d+\.\d s", lines[1]), lines
-    assert lines[2] == f"using the embedded tiny checkpoint {path}" and lines[3].startswith(f"loading {path} ")
+        prepare(["--port", "0"], out=out)
+    path = tiny.shipped_trained()
+    assert tiny.trained_on_task_mix(path) and "dsv4gen train-tiny" in (path / tiny.TRAINING_RECORD).read_text()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"using the shipped trained tiny checkpoint {path}" and lines[1].startswith(f"loading {path} ")
+    assert not any("making" in line for line in lines) and len(seen) == 1
 
-    with pytest.raises(Loading):
-        prepare(["--port", "0"], out=later)
-    assert len(made) == 1
-    assert later.getvalue().splitlines()[:1] == [f"using the embedded tiny checkpoint {path}"]
-    assert not any(word in later.getvalue() for word in ("making", "made the", "made on", "first use"))
 
-    monkeypatch.setenv("DSV4GEN_CACHE", str(tmp_path / "other"))   # the other callers: embedded_tiny()
-    assert tiny.embedded_tiny().parent == tmp_path / "other"
-    assert "making the embedded tiny checkpoint in " in capsys.readouterr().err
+def test_a_missing_shipped_checkpoint_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny, "SHIPPED_TRAINED", tmp_path / "trained_tiny")
+    with pytest.raises(FileNotFoundError, match="trained_tiny.*--model DIR"):
+        prepare(["--port", "0"], out=io.StringIO())

@@ -1,6 +1,6 @@
 """Clients that go away and a server that is stopped: never a traceback, every cache block freed.
 
-The first test runs the real `python -m serve` (embedded tiny checkpoint) as a subprocess with its
+The first test runs the real `python -m serve` (the shipped trained tiny checkpoint) as a subprocess with its
 output captured to a file: five streams disconnected midway, then SIGINT while a sixth is open. The
 second stops an in-process server with a stream and a plain request open and reads the engine's
 paged cache itself. Every wait is bounded; loopback only.

@@ -1,0 +1,35 @@
+"""The trained tiny checkpoint shipped in the package is what `dsv4gen train-tiny` writes, in the official format, and
+it answers: `dsv4gen eval` with no --model scores it through the engine as a user runs it."""
+from __future__ import annotations
+
+import json
+
+from lib.cli.main import main
+from lib.weights.checkpoint import summary
+from lib.weights.tiny_checkpoint import TRAINING_RECORD, shipped_trained
+from spec.config import load_config_json
+
+
+def test_the_shipped_checkpoint_records_how_it_was_made():
+    path = shipped_trained()
+    record = json.loads((path / TRAINING_RECORD).read_text())
+    assert record["command"].startswith("dsv4gen train-tiny ") and "--seed 0" in record["command"]
+    assert record["config"]["seed"] == 0 and record["config"]["preset"] == "trained"
+    assert record["total_seconds"] <= 90 * 60                    # the issue's bar: training and scoring in 90 min
+    assert record["heldout"]["dspark_replies_identical"] is True
+    cfg, _ = load_config_json(path / "config.json")
+    shipped_bytes = sum(f.stat().st_size for f in path.iterdir())
+    assert cfg.sliding_window == 32 and summary(cfg)["all"]["bytes"] < shipped_bytes < 16 << 20     # a few MiB
+
+
+def test_eval_defaults_to_the_shipped_checkpoint_and_it_answers(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--tasks", "copying,facts,tool_call", "--per-task", "10", "--speculative", "none",
+                 "--json", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"using the shipped trained tiny checkpoint {shipped_trained()}" in printed.err
+    report = json.loads(out.read_text())
+    accuracy = {task: r["accuracy"] for task, r in report["runs"]["plain"]["accuracy"].items()}
+    assert set(accuracy) == {"copying", "facts", "tool_call"}
+    # a random checkpoint gets none of these (docs/training.md); the shipped one most of them
+    assert all(a >= 0.8 for a in accuracy.values()), accuracy
