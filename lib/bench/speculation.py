@@ -55,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fixed token ids, or held-out task-mix questions (default: tasks on a checkpoint written by "
                         "train-tiny, else tokens)")
     p.add_argument("--tasks", default=None,
-                   help="with --prompts tasks: comma-separated tasks whose questions to ask (default: all of them)")
+                   help="comma-separated tasks whose questions to ask (implies --prompts tasks; default: all of them)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per cell; the fastest is reported, every wall time is kept (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
