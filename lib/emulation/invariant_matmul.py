@@ -73,10 +73,9 @@ def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:m].reshape(*lead, b.shape[-1])
 
 
-# Bytes of B's operand repeated per row that one host bmm makes: an attention block of a 512-token
-# prefill chunk (8 heads, 128 dims, 256 entries) would copy 512 MiB at once, and such temporaries
-# of changing sizes fragmented the host heap (peak resident memory of the ascend910 emulation grew
-# 376 MiB from 4K to 64K context, its live bytes flat). Items are independent products, so taking
+# Bytes of B's operand repeated per block of rows that one host bmm makes (more heads than ROWS: B's operand once
+# per block): temporaries of changing sizes fragmented the host heap (peak resident memory of the ascend910
+# emulation grew 376 MiB from 4K to 64K context, its live bytes flat). Items are independent products, so taking
 # them a group at a time changes no value.
 COPY_BYTES = 1 << 25
 
@@ -86,30 +85,47 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     Attention's heads are the M of a per-token product, and tensor parallelism changes how many
     heads a rank holds: measured here, one head's fp32 logits differ between M = 8 and M = 2 (one
-    process vs TP=4), which flipped a greedy token on ascend910. On CPU each of the B*M rows is its
-    own batch item again, at the cost of B's operand repeated M times (COPY_BYTES of it at a time)."""
+    process vs TP=4), which flipped a greedy token on ascend910. On CPU each item's rows are padded
+    with zeros to blocks of ROWS, each block its own batch item against the item's B operand: one
+    shape, [ROWS, K] @ [K, N], whatever M is. A row's value depends neither on its place in the
+    block nor on the other rows (checked here in fp32 for K 16-128 and N 1-257), nor on how many
+    items come with it, except that a lone item with N = 1 takes a gemv path: it is paired with a
+    zero item. Making every row its own item instead would copy B's operand M times, the largest cost
+    of a verify step of the ascend910 emulation at batch 16 (a fifth of its time)."""
     if not a.is_cpu:
         return torch.bmm(a, b)
     if _under_guard():
         # under the capability guard: the device runs one bmm (see matmul)
         torch.bmm(a, b)
         with _disable_current_modes():
-            return _row_items(a, b)
-    return _row_items(a, b)
+            return _row_blocks(a, b)
+    return _row_blocks(a, b)
 
 
-def _row_items(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    batch, m = a.shape[:2]
+def _row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    batch, m, k = a.shape
     if batch * m == 0:
         return torch.bmm(a, b)
-    group = max(1, COPY_BYTES // max(1, m * b.shape[1] * b.shape[2] * b.element_size()))
+    blocks = -(-m // ROWS)
+    if blocks * ROWS != m:
+        a = torch.cat([a, a.new_zeros(batch, blocks * ROWS - m, k)], 1)
+    items = a.reshape(batch * blocks, ROWS, k).contiguous()                            # [B*blocks, ROWS, K]
+    # contiguous always: a strided operand is rounded differently by BLAS (one decoded token against a verify of
+    # six broke otherwise)
+    if blocks == 1:
+        return _items(items, b.contiguous())[:, :m]
+    group = max(1, COPY_BYTES // max(1, blocks * b.shape[1] * b.shape[2] * b.element_size()))
     out = []
     for lo in range(0, batch, group):
-        ai, bi = a[lo:lo + group], b[lo:lo + group]
-        n = ai.shape[0]
-        rows = ai.reshape(n * m, 1, a.shape[-1]).contiguous()                           # [n*M, 1, K]
-        # contiguous whatever n is: with n = 1 the reshape is a stride-0 view, and BLAS rounds a
-        # strided operand differently (one decoded token against a verify of six broke otherwise)
-        shared = bi.unsqueeze(1).expand(n, m, *b.shape[1:]).reshape(n * m, *b.shape[1:]).contiguous()
-        out.append(torch.bmm(rows, shared).reshape(n, m, b.shape[-1]))
-    return out[0] if len(out) == 1 else torch.cat(out)
+        bi = b[lo:lo + group]
+        n = bi.shape[0]
+        shared = bi.unsqueeze(1).expand(n, blocks, *b.shape[1:]).reshape(n * blocks, *b.shape[1:]).contiguous()
+        out.append(_items(items[lo * blocks:(lo + n) * blocks], shared).reshape(n, blocks * ROWS, b.shape[-1]))
+    return (out[0] if len(out) == 1 else torch.cat(out))[:, :m]
+
+
+def _items(items: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """bmm of [n, ROWS, K] @ [n, K, N], a lone item paired with a zero one (see bmm)."""
+    if items.shape[0] > 1:
+        return torch.bmm(items, shared)
+    return torch.bmm(torch.cat([items, torch.zeros_like(items)]), torch.cat([shared, torch.zeros_like(shared)]))[:1]

@@ -14,17 +14,19 @@ so greedy output is identical with any policy.
   for this request score no worse (Brier, over TRUST_ROUNDS rounds or more) than the request's own running
   acceptance per position, else that running acceptance (Laplace-smoothed counts); both are weighted towards the
   last ~10 rounds, as a conversation's predictability changes, and an untrained or miscalibrated head is not
-  followed. A block the estimate ends before its first draft is a plain decode row; a request whose running
-  acceptance says its first drafts do not survive stops drafting, and tries a full block again after a backoff of
-  its own.
+  followed. A request's counts are taken together with the acceptance per position of the requests that finished
+  before it (PRIOR_ROUNDS rounds' worth of it, fading as the request's own rounds add up): on a predictable
+  workload a new request's first rounds verify full blocks, not the two drafts a coin-flip prior allows, which a
+  short reply would otherwise spend most of its rounds growing out of. A block the estimate ends before its first
+  draft is a plain decode row; a request whose running acceptance says its first drafts do not survive stops
+  drafting, and tries a full block again after a backoff of its own.
 
 Must not know: scheduling internals, sampling, the model's numerics.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-
-import torch
 
 BACKOFF = 16           # steps before the losing mode (or a request that stopped drafting) is tried again
 MAX_BACKOFF = 128
@@ -32,6 +34,8 @@ MIN_SURVIVAL = 0.15    # verify a draft position only if it is estimated to surv
 EMA = 0.3              # weight of the newest step in each mode's seconds per token
 TRUST_ROUNDS = 3       # verified rounds of a request before its confidence head may be followed
 RECENT = 0.9           # each round, a request's earlier counts and scores are weighted down by this: recent rounds rule
+PRIOR_ROUNDS = 4.0     # rounds' worth of the engine's acceptance a new request's estimate starts from
+FINISHED_RECENT = 0.9  # each finished request weighs the earlier ones' counts down by this: recent requests rule
 
 
 @dataclass
@@ -45,11 +49,27 @@ class _Acceptance:
     paused: int = 0              # steps left before a full block is tried again
     backoff: int = BACKOFF
 
-    def survival(self) -> torch.Tensor:
+    def survival(self, prior: list[float | None]) -> list[float]:
         """[gamma] running estimate that positions 1..j all survive: products of the conditional acceptance rates,
         Laplace-smoothed (a position never tried counts as a coin flip, so a block grows past where it was cut
-        once the positions before it prove reliable)."""
-        return torch.tensor([(a + 1.0) / (t + 2.0) for t, a in zip(self.tried, self.accepted)]).cumprod(0)
+        once the positions before it prove reliable), with `prior` (the engine's rate per position, None where
+        no request has tried it) counted as PRIOR_ROUNDS rounds that fade like the request's own."""
+        w = PRIOR_ROUNDS * RECENT ** self.rounds
+        return _prefix_products((a + 1.0) / (t + 2.0) if p is None else (a + w * p + 1.0) / (t + w + 2.0)
+                                for t, a, p in zip(self.tried, self.accepted, prior))
+
+
+def _prefix_products(values) -> list[float]:
+    out, running = [], 1.0
+    for v in values:
+        running *= v
+        out.append(running)
+    return out
+
+
+def _head_survival(confidence: list[float]) -> list[float]:
+    """The confidence head's survival estimates: prefix products of sigmoid(c_k)."""
+    return _prefix_products(0.5 * (1.0 + math.tanh(0.5 * c)) for c in confidence)     # sigmoid, for any c
 
 
 @dataclass
@@ -62,6 +82,12 @@ class DraftPolicy:
     probe_in: int = 0                                # steps until the other mode is measured again
     backoff: int = BACKOFF
     bucket: int = 0                                  # the batch size range the measurements are of (bit length)
+    # the finished requests' counts together (weighted by FINISHED_RECENT): the prior of every request's estimate
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.tried, self.accepted = [0.0] * self.gamma, [0.0] * self.gamma
 
     # ---- the gate ------------------------------------------------------------------------------
     def draft_this_step(self) -> bool:
@@ -108,27 +134,30 @@ class DraftPolicy:
         rec.paused -= 1
         return 0
 
-    def length(self, request_id: str, confidence: torch.Tensor, planned: int) -> int:
+    # The per-request bookkeeping below is host arithmetic on gamma floats: as tensor ops it cost more than the
+    # verification it steers (a dozen dispatches per request per step, at batch 16 a few % of a decode step).
+    def length(self, request_id: str, confidence: list[float], planned: int) -> int:
         """How many of the `planned` drafts to verify, given the block's confidence logits [gamma]."""
         if not self.adaptive or planned == 0:
             return planned
         rec = self._record(request_id)
-        if not bool(rec.survival()[0] >= MIN_SURVIVAL):  # its drafts do not survive: plain rows for a while
+        prior = self._engine_rates()
+        if rec.survival(prior)[0] < MIN_SURVIVAL:        # its drafts do not survive: plain rows for a while
             rec.paused, rec.backoff = rec.backoff, min(2 * rec.backoff, MAX_BACKOFF)
             return 0
-        estimate = self._estimate(rec, confidence)[:planned]
-        return int((estimate >= MIN_SURVIVAL).sum())     # survival only falls along the block; 0: a plain row
+        estimate = self._estimate(rec, confidence, prior)[:planned]
+        return sum(e >= MIN_SURVIVAL for e in estimate)  # survival only falls along the block; 0: a plain row
 
-    def verified(self, request_id: str, confidence: torch.Tensor, drafts: int, accepted: int) -> None:
+    def verified(self, request_id: str, confidence: list[float], drafts: int, accepted: int) -> None:
         """Record a verified round: `drafts` positions verified, the first `accepted` of them accepted."""
         if not self.adaptive or drafts == 0:
             return
         rec = self._record(request_id)
-        head = torch.sigmoid(confidence.float()[:drafts]).cumprod(0)
-        rate = rec.survival()[:drafts]
-        outcome = (torch.arange(drafts) < accepted).float()
-        rec.head_brier = RECENT * rec.head_brier + float(((head - outcome) ** 2).sum())
-        rec.rate_brier = RECENT * rec.rate_brier + float(((rate - outcome) ** 2).sum())
+        head = _head_survival(confidence[:drafts])
+        rate = rec.survival(self._engine_rates())[:drafts]
+        outcome = [float(k < accepted) for k in range(drafts)]
+        rec.head_brier = RECENT * rec.head_brier + sum((h - o) ** 2 for h, o in zip(head, outcome))
+        rec.rate_brier = RECENT * rec.rate_brier + sum((r - o) ** 2 for r, o in zip(rate, outcome))
         rec.rounds += 1
         rec.tried = [RECENT * t for t in rec.tried]
         rec.accepted = [RECENT * a for a in rec.accepted]
@@ -139,15 +168,24 @@ class DraftPolicy:
             rec.backoff = BACKOFF
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        """The request is done: its counts join the finished requests' (a request's estimate never counts its own
+        rounds twice)."""
+        rec = self.requests.pop(request_id, None)
+        if rec is None or not rec.rounds:
+            return
+        self.tried = [FINISHED_RECENT * e + t for e, t in zip(self.tried, rec.tried)]
+        self.accepted = [FINISHED_RECENT * e + a for e, a in zip(self.accepted, rec.accepted)]
 
     def _record(self, request_id: str) -> _Acceptance:
         if request_id not in self.requests:
             self.requests[request_id] = _Acceptance([0.0] * self.gamma, [0.0] * self.gamma)
         return self.requests[request_id]
 
+    def _engine_rates(self) -> list[float | None]:
+        return [a / t if t else None for t, a in zip(self.tried, self.accepted)]
+
     @staticmethod
-    def _estimate(rec: _Acceptance, confidence: torch.Tensor) -> torch.Tensor:
+    def _estimate(rec: _Acceptance, confidence: list[float], prior: list[float | None]) -> list[float]:
         if rec.rounds >= TRUST_ROUNDS and rec.head_brier <= rec.rate_brier:
-            return torch.sigmoid(confidence.float()).cumprod(0)
-        return rec.survival()
+            return _head_survival(confidence)
+        return rec.survival(prior)

@@ -256,8 +256,11 @@ class Engine:
         if not plan:
             return {}
         reqs = [s.request for s in plan]
+        all_greedy = all(r.params.greedy for r in reqs)
 
         def choose(logits: torch.Tensor, k: int):
+            if all_greedy:        # greedy verification reads no draft distribution: the argmax is all there is
+                return logits.argmax(-1), None
             ids, probs = [], []
             for i, r in enumerate(reqs):
                 p = target_probs(logits[i: i + 1], r.params)
@@ -266,11 +269,12 @@ class Engine:
             return torch.tensor(ids), torch.stack(probs)
 
         block = self.drafter(self.model, reqs, self.store, choose)
+        tokens, confidence = block.tokens.tolist(), block.confidence.float().tolist()     # one host read each
         out = {}
         for i, (r, s) in enumerate(zip(reqs, plan)):
-            n = self.policy.length(r.id, block.confidence[i], s.drafts)
+            n = self.policy.length(r.id, confidence[i], s.drafts)
             probs = None if block.probs is None else block.probs[i, :n]
-            out[r.id] = _Draft(block.tokens[i, :n].tolist(), probs, block.confidence[i])
+            out[r.id] = _Draft(tokens[i][:n], probs, confidence[i])
         return out
 
     def _mtp_drafter(self, model: Model, requests: list[Request], store, choose) -> dspark.DraftBlock:
@@ -296,7 +300,7 @@ class Engine:
 class _Draft(NamedTuple):
     tokens: list[int]
     probs: torch.Tensor | None   # [drafts, V] (None: greedy)
-    confidence: torch.Tensor     # [gamma] the block's confidence logits
+    confidence: list[float]      # [gamma] the block's confidence logits
 
 
 def _prompt_logprobs(req: Request, logits: torch.Tensor, start: int, scorer) -> None:

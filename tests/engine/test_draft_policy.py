@@ -45,7 +45,7 @@ def test_the_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other
 
 
 def test_a_request_verifies_what_its_running_acceptance_says_survives_and_pauses_when_nothing_does():
-    policy, head = DraftPolicy(gamma=5), torch.zeros(5)
+    policy, head = DraftPolicy(gamma=5), [0.0] * 5
     assert policy.planned("r") == 5
     # a coin-flip prior: survival 0.5, 0.25, 0.125 ... -> the first two positions pass MIN_SURVIVAL
     assert policy.length("r", head, 5) == 2
@@ -62,9 +62,26 @@ def test_a_request_verifies_what_its_running_acceptance_says_survives_and_pauses
     assert [policy.planned("r") for _ in range(dp.BACKOFF + 1)] == [0] * dp.BACKOFF + [5]   # then a full block again
 
 
+def test_a_new_request_starts_from_what_the_engines_drafts_have_been_worth():
+    policy, head = DraftPolicy(gamma=5), [0.0] * 5
+    for _ in range(8):                                           # an earlier request whose drafts always survived
+        policy.verified("a", head, policy.length("a", head, 5), accepted=5)
+    assert policy.length("b", head, 5) == 2                      # while it runs, no other request's rounds count
+    policy.forget("a")
+    assert policy.length("c", head, 5) == 5                      # once it finished: a full block from the first round
+    doubtful = DraftPolicy(gamma=5)
+    for _ in range(8):                                           # an earlier request whose first draft never survived
+        doubtful.verified("a", head, 1, accepted=0)
+    doubtful.forget("a")
+    assert doubtful.length("b", head, 5) == 1                    # the new request verifies a single draft
+    for _ in range(12):                                          # and its own rounds outweigh the engine's in time
+        doubtful.verified("b", head, doubtful.length("b", head, 5), accepted=5)
+    assert doubtful.length("b", head, 5) == 5
+
+
 def test_the_confidence_head_is_followed_once_it_predicts_this_request_better_than_its_running_acceptance():
     policy = DraftPolicy(gamma=5)
-    sure, doubtful = torch.full((5,), 8.0), torch.tensor([8.0, 8.0, -8.0, -8.0, -8.0])
+    sure, doubtful = [8.0] * 5, [8.0, 8.0, -8.0, -8.0, -8.0]
     for _ in range(dp.TRUST_ROUNDS - 1):
         policy.verified("r", sure, 2, accepted=2)
     assert policy.length("r", doubtful, 5) == 2 + 1              # not yet trusted: the running rates (plus one untried)

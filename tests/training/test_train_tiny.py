@@ -146,6 +146,20 @@ def test_train_tiny_runs_end_to_end_and_records_what_it_did(tmp_path, capsys):
     assert main(["train-tiny", "--out", str(out), "--steps", "1"]) == 2  # refuses to overwrite without --force
 
 
+def test_the_same_seed_trains_the_same_weights_byte_for_byte(tmp_path):
+    """On one machine and torch the command is deterministic: the stream, the initial weights and every update
+    follow the seed, so two runs with one seed write the same weight files."""
+    def run(name: str, seed: int, steps: int) -> dict[str, bytes]:
+        out = tmp_path / name
+        assert main(["train-tiny", "--out", str(out), "--seed", str(seed), "--steps", str(steps), "--drafter-steps",
+                     "2", "--tokens-per-step", "256", "--eval-per-task", "0"]) == 0
+        return {f.name: f.read_bytes() for f in sorted(out.glob("model-*.safetensors"))}
+
+    first, again, other = run("a", 0, 3), run("b", 0, 3), run("c", 1, 1)
+    assert first and first == again
+    assert other.keys() == first.keys() and other != first
+
+
 def test_an_expert_above_the_mean_load_loses_bias_and_one_below_gains_it():
     bias = torch.zeros(4, dtype=torch.float64)
     loads = Loads()
