@@ -82,12 +82,14 @@ class DraftPolicy:
     probe_in: int = 0                                # steps until the other mode is measured again
     backoff: int = BACKOFF
     bucket: int = 0                                  # the batch size range the measurements are of (bit length)
-    # the finished requests' counts together (weighted by FINISHED_RECENT): the prior of every request's estimate
+    # the finished requests' counts together (weighted by FINISHED_RECENT), and their rate per position (None: never
+    # tried), the prior of every request's estimate: it changes only when a request finishes
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    prior: list[float | None] = field(default_factory=list)
 
     def __post_init__(self):
-        self.tried, self.accepted = [0.0] * self.gamma, [0.0] * self.gamma
+        self.tried, self.accepted, self.prior = [0.0] * self.gamma, [0.0] * self.gamma, [None] * self.gamma
 
     # ---- the gate ------------------------------------------------------------------------------
     def draft_this_step(self) -> bool:
@@ -141,11 +143,10 @@ class DraftPolicy:
         if not self.adaptive or planned == 0:
             return planned
         rec = self._record(request_id)
-        prior = self._engine_rates()
-        if rec.survival(prior)[0] < MIN_SURVIVAL:        # its drafts do not survive: plain rows for a while
+        if rec.survival(self.prior)[0] < MIN_SURVIVAL:        # its drafts do not survive: plain rows for a while
             rec.paused, rec.backoff = rec.backoff, min(2 * rec.backoff, MAX_BACKOFF)
             return 0
-        estimate = self._estimate(rec, confidence, prior)[:planned]
+        estimate = self._estimate(rec, confidence, self.prior)[:planned]
         return sum(e >= MIN_SURVIVAL for e in estimate)  # survival only falls along the block; 0: a plain row
 
     def verified(self, request_id: str, confidence: list[float], drafts: int, accepted: int) -> None:
@@ -154,7 +155,7 @@ class DraftPolicy:
             return
         rec = self._record(request_id)
         head = _head_survival(confidence[:drafts])
-        rate = rec.survival(self._engine_rates())[:drafts]
+        rate = rec.survival(self.prior)[:drafts]
         outcome = [float(k < accepted) for k in range(drafts)]
         rec.head_brier = RECENT * rec.head_brier + sum((h - o) ** 2 for h, o in zip(head, outcome))
         rec.rate_brier = RECENT * rec.rate_brier + sum((r - o) ** 2 for r, o in zip(rate, outcome))
@@ -175,14 +176,12 @@ class DraftPolicy:
             return
         self.tried = [FINISHED_RECENT * e + t for e, t in zip(self.tried, rec.tried)]
         self.accepted = [FINISHED_RECENT * e + a for e, a in zip(self.accepted, rec.accepted)]
+        self.prior = [a / t if t else None for t, a in zip(self.tried, self.accepted)]
 
     def _record(self, request_id: str) -> _Acceptance:
         if request_id not in self.requests:
             self.requests[request_id] = _Acceptance([0.0] * self.gamma, [0.0] * self.gamma)
         return self.requests[request_id]
-
-    def _engine_rates(self) -> list[float | None]:
-        return [a / t if t else None for t, a in zip(self.tried, self.accepted)]
 
     @staticmethod
     def _estimate(rec: _Acceptance, confidence: list[float], prior: list[float | None]) -> list[float]:
