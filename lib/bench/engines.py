@@ -45,7 +45,7 @@ class Ours:
         from lib.engine.llm_engine import Engine, EngineConfig
         from lib.engine.cache_sizing import blocks_for
 
-        # one spare block per sequence: admission keeps one free for each running decode (L26)
+        # a spare block per sequence: admission keeps room for each running decode to grow (L26)
         blocks = blocks_for(self.model, seqs, longest) + seqs
         return Engine(self.model, EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=batched,
                                                max_model_len=longest, num_blocks=blocks, speculative="none"))

@@ -24,6 +24,10 @@ def add_parser(sub) -> None:
     s.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     s.add_argument("--eval-per-task", type=int, default=d.eval_per_task,
                    help=f"held-out questions per task scored at the end; 0: none (default {d.eval_per_task})")
+    s.add_argument("--data-parallel-size", type=int, default=d.data_parallel_size,
+                   help=f"processes that share each target step's batch, this machine's threads split among them: "
+                        f"the tiny model's ops are too small for a second thread to help much (default "
+                        f"{d.data_parallel_size})")
     s.add_argument("--force", action="store_true", help="replace an existing output folder")
     s.set_defaults(func=_run)
 
@@ -33,7 +37,8 @@ def _run(args) -> int:
     from lib.weights.tiny_checkpoint import TRAINING_RECORD
 
     config = TrainConfig(seed=args.seed, steps=args.steps, drafter_steps=args.drafter_steps,
-                         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_per_task=args.eval_per_task)
+                         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_per_task=args.eval_per_task,
+                         data_parallel_size=args.data_parallel_size)
     with Stages("train-tiny")(f"training {args.steps} steps of up to {args.tokens_per_step} tokens, seed {args.seed}"):
         record = train_tiny(args.out, config, overwrite=args.force,
                             log=lambda line: print(line, file=sys.stderr))

@@ -21,10 +21,16 @@ def make_store(model, num_blocks: int, max_seqs: int, rings: bool, slack: int = 
     return PagedCache(model, num_blocks, max_seqs=max_seqs, slack=slack, rings=rings)
 
 
-def can_admit(store: PagedCache, seq_id, length: int, reserve_blocks: int) -> bool:
-    """Room for a new sequence's first `length` positions while keeping `reserve_blocks` blocks of
-    every entry group free for the decodes already running (the admission gate, L26)."""
-    return store.can_fit([(seq_id, length)]) and store.spare([(seq_id, length)]) >= reserve_blocks
+def can_admit(store: PagedCache, seq_id, length: int, running: dict, reserve_blocks: int) -> bool:
+    """Room for a new sequence's first `length` positions while every running sequence (`running`:
+    id -> the positions it holds after this step) keeps room to grow by `reserve_blocks` blocks of the finest entry group (the admission gate, L26).
+    The reserve is counted in positions, not blocks per group: a block of the ratio-m group covers
+    m x block_tokens positions, so a coarse group is asked for a block only by the sequences that
+    the growth carries into a new one (a block per sequence in every group would hold back most of
+    a coarse group, which has only cdiv(num_blocks, m) + max_seqs blocks)."""
+    span = reserve_blocks * store.block_tokens * min(store.ratios, default=1)
+    grown = [(other, end + span) for other, end in running.items()]
+    return store.can_fit([(seq_id, length), *grown])
 
 
 def total_blocks(store: PagedCache) -> int:

@@ -31,7 +31,7 @@ class SchedulerConfig(NamedTuple):
     max_num_batched_tokens: int
     max_model_len: int
     draft_tokens: int            # drafts per decode step when speculating (0: off)
-    decode_reserve_blocks: int = 1   # per running request, kept free when admitting new ones
+    decode_reserve_blocks: int = 1   # growth kept free per running request when admitting (cache_sizing.can_admit)
 
 
 class Scheduler:
@@ -78,7 +78,7 @@ class Scheduler:
         while self.waiting and budget >= 1 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = min(req.pending, budget)
-            if not self._admit(req, n):
+            if not self._admit(req, n, plan):
                 if not self.running:         # nothing will ever free up: it cannot fit at all
                     self.waiting.popleft()
                     refused.append(req)
@@ -96,9 +96,10 @@ class Scheduler:
         room = self.config.max_model_len - req.computed - 1
         return max(0, min(self.planned_drafts(req), req.remaining - 1, room, budget - 1))
 
-    def _admit(self, req: Request, n: int) -> bool:
-        reserve = self.config.decode_reserve_blocks * len(self.running)
-        if not can_admit(self.store, req.id, req.computed + n, reserve):
+    def _admit(self, req: Request, n: int, plan: list[Scheduled]) -> bool:
+        # where each running request stands once this step's tokens are in
+        ends = {r.id: r.computed for r in self.running} | {s.request.id: s.request.computed + s.feed for s in plan}
+        if not can_admit(self.store, req.id, req.computed + n, ends, self.config.decode_reserve_blocks):
             return False
         self.store.add(req.id)
         return self._try_ensure(req, req.computed + n)

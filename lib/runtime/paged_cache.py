@@ -119,14 +119,6 @@ class PagedCache:
                 total[m] += n
         return new <= self._slots.free and all(total[m] <= self._alloc[m].free for m in total)
 
-    def spare(self, seq_ids_and_lengths) -> int:
-        """The fewest free blocks any entry group would have left after these allocations."""
-        total = dict.fromkeys(self.ratios, 0)
-        for seq_id, length in seq_ids_and_lengths:
-            for m, n in self._needed(self._seqs.get(seq_id), length).items():
-                total[m] += n
-        return min((self._alloc[m].free - total[m] for m in self.ratios), default=1 << 62)
-
     def ensure(self, seq_id, length: int) -> None:
         """Allocate so entries of positions < length are addressable in every group, all or nothing."""
         seq = self._seq(seq_id)

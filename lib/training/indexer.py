@@ -28,10 +28,16 @@ class Distillation:
 
     def __init__(self):
         self.pending: list[tuple[torch.Tensor, int]] = []     # (indexer scores [T, E], ratio) awaiting their attention
-        self.terms: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []       # per CSA layer: the KL summed over the queries that see an entry
+        self.rows: list[int] = []                # and how many queries those are
 
-    def loss(self) -> torch.Tensor | None:
-        return torch.stack(self.terms).mean() if self.terms else None
+    def loss(self, share=None) -> torch.Tensor | None:
+        """The mean over CSA layers of each layer's mean KL per query. `share` (lib/training/data_parallel.py):
+        this forward is one rank's share of the batch, so each layer's sum is divided by the queries of every
+        rank; the ranks' losses then add up to the whole batch's."""
+        rows = share.total(self.rows) if share is not None else self.rows
+        kept = [s / n for s, n in zip(self.sums, rows) if n]
+        return torch.stack(kept).sum() / len(kept) if kept else None
 
     @torch.no_grad()
     def target(self, q: torch.Tensor, batch, entries: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -48,12 +54,14 @@ class Distillation:
 
     def add(self, scores: torch.Tensor, target: torch.Tensor) -> None:
         rows = torch.isfinite(scores).any(dim=-1)               # queries that see at least one entry
-        if not bool(rows.any()):
+        self.rows.append(int(rows.sum()))
+        if not self.rows[-1]:           # recorded all the same: data-parallel ranks reduce one count per layer
+            self.sums.append(scores.new_zeros(()))
             return
         log_q = torch.log_softmax(scores[rows], dim=-1)
         p = target[rows]
         kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(dim=-1)
-        self.terms.append(kl.mean())
+        self.sums.append(kl.sum())
 
 
 @contextlib.contextmanager

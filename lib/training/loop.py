@@ -4,8 +4,9 @@ of how it was made and how it scores.
 1. initial weights: `make-tiny`'s initialisation of the `trained` preset (lib/weights/tiny_checkpoint.py) with this
    seed (every layer kind of Flash), the learned routers' selection biases set to zero (they then follow the experts'
    loads: routing.py);
-2. the target trained on the task mix's training split (corpus.py, target.py), its indexer distilled from the
-   attention it serves (indexer.py), then the DSpark drafter on the frozen target (drafter.py);
+2. the target trained on the task mix's training split (corpus.py, target.py; each step's batch shared by the
+   data-parallel ranks, data_parallel.py), its indexer distilled from the attention it serves (indexer.py), then
+   the DSpark drafter on the frozen target (drafter.py);
 3. the checkpoint written (export.py) with the task mix's tokenizer, then loaded back as any checkpoint is and scored
    on the held-out split through the engine (lib/evaluation/suite.py); `training.json` beside the weights records
    the seed, steps, time, losses and that accuracy.
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from backends.cpu.ops.basic import computing_in
 from lib.runtime.loaded_model import load_model
+from lib.training import data_parallel
 from lib.training.corpus import TrainingStream, task_tokenizer
 from lib.training.drafter import DrafterTrainer
 from lib.training.export import write_trained
@@ -44,6 +46,7 @@ class TrainConfig(NamedTuple):
     lr: float = 2e-3
     eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
     preset: str = "trained"
+    data_parallel_size: int = 2     # processes sharing each target step's batch, the threads split among them
 
 
 def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool = False, log=print) -> dict:
@@ -53,24 +56,20 @@ def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool =
         raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
     if config.steps < 1 or config.tokens_per_step < 64:
         raise ValueError(f"--steps must be >= 1 and --tokens-per-step >= 64, got {config.steps} and {config.tokens_per_step}")
+    if config.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     started = time.monotonic()
-    torch.manual_seed(config.seed)
-    cfg = variant_config(TINY_VARIANT, PRESETS[config.preset])
-    tokenizer = task_tokenizer(cfg.vocab_size)
-    with tempfile.TemporaryDirectory(prefix="train-tiny-init-") as tmp:
-        model = load_model(make_tiny(Path(tmp) / "init", seed=config.seed, preset=config.preset), "cpu")
-    for block in model.params.layers:
-        if "ffn.gate.bias" in block:
-            block["ffn.gate.bias"].zero_()
-    _narrow(model.params)
+    model, cfg, tokenizer = _initial(config)
+    threads = max(1, torch.get_num_threads() // config.data_parallel_size)
     with computing_in(TRAINING_DTYPE):
-        trained = _train(model, cfg, tokenizer, config)
+        trained = _train(model, cfg, tokenizer, config, threads)
     trained_s = time.monotonic() - started
     path = write_trained(out, model.params, cfg, tokenizer, overwrite=overwrite)
     record = {"command": f"dsv4gen train-tiny --out {out} --seed {config.seed} --steps {config.steps} "
                          f"--drafter-steps {config.drafter_steps} "
-                         f"--tokens-per-step {config.tokens_per_step} --lr {config.lr}",
-              "config": config._asdict(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         f"--tokens-per-step {config.tokens_per_step} --lr {config.lr} "
+                         f"--data-parallel-size {config.data_parallel_size}",
+              "config": config._asdict(), "torch": torch.__version__, "threads_per_rank": threads,
               "training_seconds": round(trained_s, 1), **trained}
     if config.eval_per_task:
         record["heldout"] = _score(path, config.eval_per_task, log)
@@ -87,24 +86,62 @@ def _narrow(params) -> None:
                 scope[key] = value.to(TRAINING_DTYPE)
 
 
-def _train(model, cfg, tokenizer, config: TrainConfig) -> dict:
-    """The target, then the drafter on it: the record's training fields."""
-    trainer = TargetTrainer(model, Schedule(config.steps, lr=config.lr, warmup=max(1, min(50, config.steps // 10))))
+def _initial(config: TrainConfig):
+    """The seed's initial model (float32 weights, selection biases zero), its config and the task tokenizer: the
+    same in every data-parallel rank."""
+    torch.manual_seed(config.seed)
+    cfg = variant_config(TINY_VARIANT, PRESETS[config.preset])
+    tokenizer = task_tokenizer(cfg.vocab_size)
+    with tempfile.TemporaryDirectory(prefix="train-tiny-init-") as tmp:
+        model = load_model(make_tiny(Path(tmp) / "init", seed=config.seed, preset=config.preset), "cpu")
+    for block in model.params.layers:
+        if "ffn.gate.bias" in block:
+            block["ffn.gate.bias"].zero_()
+    _narrow(model.params)
+    return model, cfg, tokenizer
+
+
+def _train(model, cfg, tokenizer, config: TrainConfig, threads: int) -> dict:
+    """The target (over `config.data_parallel_size` ranks of `threads` threads each), then the drafter on it
+    in this process: the record's training fields."""
     stream = TrainingStream(tokenizer, cfg.sliding_window, config.seed)
+    every = torch.get_num_threads()
+    with data_parallel.ranks(config.data_parallel_size, _target_rank, (config, threads)) as share:
+        torch.set_num_threads(threads)
+        try:
+            losses, kls, tokens = _train_target(model, stream, config, share, progress=True)
+        finally:
+            torch.set_num_threads(every)
+    drafted = _train_drafter(model, stream, config) if config.drafter_steps else {}
+    return {"tokens": tokens, "loss_first_20": _mean(losses[:20]), "loss_last_20": _mean(losses[-20:]),
+            "indexer_kl_first_20": _mean(kls[:20]), "indexer_kl_last_20": _mean(kls[-20:]), **drafted}
+
+
+def _train_target(model, stream: TrainingStream, config: TrainConfig, share, progress: bool):
+    """Every rank's target steps (the same batches: each rank takes its share); the losses of the whole batches."""
+    trainer = TargetTrainer(model, Schedule(config.steps, lr=config.lr, warmup=max(1, min(50, config.steps // 10))))
     losses, kls, tokens = [], [], 0
-    with tqdm(total=config.steps, desc="training the target", unit="step") as bar:
+    with tqdm(total=config.steps, desc="training the target", unit="step", disable=not progress) as bar:
         for _ in range(config.steps):
             batch = stream.batch(config.tokens_per_step)
-            ce, kl = trainer.step(batch)
+            ce, kl = trainer.step(batch, share)
             losses.append(ce)
             kls.append(kl)
             tokens += sum(len(s.ids) for s in batch)
             bar.update(1)
             bar.set_postfix(loss=f"{_mean(losses[-20:]):.3f}", indexer_kl=f"{_mean(kls[-20:]):.3f}")
     trainer.finish()
-    drafted = _train_drafter(model, stream, config) if config.drafter_steps else {}
-    return {"tokens": tokens, "loss_first_20": _mean(losses[:20]), "loss_last_20": _mean(losses[-20:]),
-            "indexer_kl_first_20": _mean(kls[:20]), "indexer_kl_last_20": _mean(kls[-20:]), **drafted}
+    return losses, kls, tokens
+
+
+def _target_rank(rank: int, world: int, init_method: str, config: TrainConfig, threads: int) -> None:
+    """A data-parallel worker (a fresh process): the same initial model and stream as rank 0, its share of
+    every target step; rank 0 keeps the weights."""
+    torch.set_num_threads(threads)
+    share = data_parallel.join(rank, world, init_method)
+    model, cfg, tokenizer = _initial(config)
+    with computing_in(TRAINING_DTYPE):
+        _train_target(model, TrainingStream(tokenizer, cfg.sliding_window, config.seed), config, share, progress=False)
 
 
 def _train_drafter(model, stream: TrainingStream, config: TrainConfig) -> dict:

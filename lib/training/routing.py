@@ -31,8 +31,14 @@ class Loads:
         self.counts[id(bias)] = (bias, counts)
 
     @torch.no_grad()
-    def update_biases(self) -> None:
-        for bias, counts in self.counts.values():
+    def update_biases(self, share=None) -> None:
+        """Each bias one BIAS_RATE step towards balance; `share` (lib/training/data_parallel.py): the loads
+        are summed over the ranks first, so every rank moves its biases alike."""
+        entries = list(self.counts.values())
+        if share is not None and share.group is not None and entries:
+            summed = share.sum(torch.cat([c for _, c in entries])).split([len(c) for _, c in entries])
+            entries = [(bias, c) for (bias, _), c in zip(entries, summed)]
+        for bias, counts in entries:
             bias += BIAS_RATE * torch.sign(counts.mean() - counts).to(bias.dtype)
 
 

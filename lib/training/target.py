@@ -23,6 +23,7 @@ import torch
 from lib.records.batch import make_batch
 from lib.runtime.paged_cache import PagedCache
 from lib.training.corpus import Sequence
+from lib.training.data_parallel import Share, split
 from lib.training.indexer import distilling
 from lib.training.routing import balancing
 
@@ -81,15 +82,17 @@ def prefill(model, seqs: list[Sequence], logit_rows: torch.Tensor | None = None)
     return logits, hidden
 
 
-def loss_of(model, seqs: list[Sequence]) -> torch.Tensor:
+def loss_of(model, seqs: list[Sequence], replies: int | None = None) -> torch.Tensor:
     """Cross-entropy of the reply tokens of `seqs`, prefilled together from position 0: the mean over each reply's
-    tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more)."""
+    tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more).
+    `replies`: the whole batch's replies when `seqs` is one data-parallel rank's share of it (default len(seqs)),
+    so that the ranks' losses add up to the batch's."""
     rows, targets = reply_rows(seqs)
     logits, _ = prefill(model, seqs, rows)
     per_token = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
     owner = torch.repeat_interleave(torch.tensor([len(s.ids) - s.reply_start for s in seqs]))
     per_reply = torch.zeros(len(seqs), dtype=per_token.dtype).index_add_(0, owner, per_token)
-    return (per_reply / torch.bincount(owner, minlength=len(seqs))).mean()
+    return (per_reply / torch.bincount(owner, minlength=len(seqs))).sum() / (replies or len(seqs))
 
 
 class TargetTrainer:
@@ -102,21 +105,31 @@ class TargetTrainer:
                                       {"params": keep, "weight_decay": 0.0}], lr=schedule.lr, betas=(0.9, 0.95))
         self.step_count = 0
 
-    def step(self, seqs: list[Sequence]) -> tuple[float, float]:
-        """One optimiser step on `seqs`: (reply cross-entropy, indexer KL; 0 without CSA entries)."""
+    def step(self, seqs: list[Sequence], share: Share = Share()) -> tuple[float, float]:
+        """One optimiser step on the batch `seqs`: (reply cross-entropy, indexer KL; 0 without CSA entries).
+        With a data-parallel `share`, this rank computes its share of the batch and the ranks' gradients,
+        losses and expert loads are summed, so every rank takes the same step (lib/training/data_parallel.py)."""
         for group in self.opt.param_groups:
             group["lr"] = self.schedule.lr_at(self.step_count)
+        if len(seqs) < share.world:      # too few conversations to share: every rank computes the whole batch
+            share = Share()
+        mine = split(seqs, share.world)[share.rank]
         with distilling() as indexer, balancing() as loads:
-            ce = loss_of(self.model, seqs)
-        kl = indexer.loss()
+            ce = loss_of(self.model, mine, len(seqs))
+        kl = indexer.loss(share)
         total = ce if kl is None else ce + INDEXER_WEIGHT * kl
         self.opt.zero_grad(set_to_none=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_([v for _, v in self.named], self.schedule.clip)
+        leaves = [v for _, v in self.named]
+        share.sum_grads(leaves)
+        torch.nn.utils.clip_grad_norm_(leaves, self.schedule.clip)
         self.opt.step()
-        loads.update_biases()
+        loads.update_biases(share)
         self.step_count += 1
-        return float(ce.detach()), 0.0 if kl is None else float(kl.detach())
+        losses = torch.tensor([float(ce.detach()), 0.0 if kl is None else float(kl.detach())], dtype=torch.float64)
+        ce_all, kl_all = share.sum(losses).tolist()
+        return ce_all, kl_all
+
 
     def finish(self) -> None:
         """Back to inference: the weights stop requiring grad (the engine runs under inference_mode)."""

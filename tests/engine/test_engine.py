@@ -165,6 +165,24 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(cpu_model):
     assert all(used == 0 for used, _ in engine.store.usage().values())
 
 
+def test_admission_keeps_room_for_the_running_requests_to_grow_in_positions(cpu_model):
+    # 8 prompts of 40 positions take one block of each entry group (16 entries of ratio 4 and of 8);
+    # growing by one block of the finest group (16 x 4 = 64 positions) takes one more ratio-4 block and
+    # no ratio-8 one. num_blocks = N gives the ratio-4 group cdiv(N, 4) + 8 blocks: the 8th admission
+    # needs 8 taken + 7 growing = 15 of them, so N = 28 admits all 8 and N = 24 (14 blocks) admits 7.
+    # N = 32 leaves the ratio-8 group cdiv(32, 8) + 8 = 12 blocks, all the 8 sequences need there:
+    # a free block kept per running request in every group would admit only 6.
+    prompts = [prompt_ids(40, 1024, seed=60 + k) for k in range(8)]
+    for num_blocks, admitted in ((24, 7), (28, 8), (32, 8)):
+        engine = _engine(cpu_model, speculative="none", num_blocks=num_blocks, max_num_batched_tokens=320)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
+        engine.step()
+        assert sum(len(engine.requests[i].output) == 1 for i in ids) == admitted, num_blocks
+        while engine.has_unfinished():
+            engine.step()
+        assert all(engine.requests[i].finish_reason == "length" for i in ids)
+
+
 def test_refusals_name_what_was_wrong(cpu_model):
     engine = _engine(cpu_model, speculative="none", max_model_len=64)
     with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the maximum context length 64"):

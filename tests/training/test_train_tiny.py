@@ -137,6 +137,7 @@ def test_train_tiny_runs_end_to_end_and_records_what_it_did(tmp_path, capsys):
     record = json.loads((out / "training.json").read_text())
     assert record["config"]["steps"] == 3 and record["tokens"] > 0 and record["training_seconds"] > 0
     assert record["drafter_loss_first_20"] > 0 and "--drafter-steps 2" in record["command"]
+    assert record["config"]["data_parallel_size"] == 2 and "--data-parallel-size 2" in record["command"]
     held = record["heldout"]
     assert set(held["accuracy"]) == {"arithmetic", "counting", "copying", "facts", "retrieval", "tool_call"}
     assert held["dspark_replies_identical"] is True
@@ -144,6 +145,8 @@ def test_train_tiny_runs_end_to_end_and_records_what_it_did(tmp_path, capsys):
     assert "held-out exact match" in printed and str(out) in printed
     load_model(out, "ascend910")                                         # a device backend takes it as any checkpoint
     assert main(["train-tiny", "--out", str(out), "--steps", "1"]) == 2  # refuses to overwrite without --force
+    assert main(["train-tiny", "--out", str(tmp_path / "none"), "--data-parallel-size", "0"]) == 2
+    assert not (tmp_path / "none").exists()
 
 
 def test_the_same_seed_trains_the_same_weights_byte_for_byte(tmp_path):
