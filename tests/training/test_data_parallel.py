@@ -25,10 +25,11 @@ def _weights(trainer) -> torch.Tensor:
     return torch.cat([v.detach().reshape(-1) for _, v in trainer.named])
 
 
-def _step_rank(rank: int, world: int, init_method: str, path: str) -> None:
+def _step_rank(rank: int, world: int, init_method: str, path: str, threads: int) -> None:
     """A worker rank: the same checkpoint and batches, its share of each step; then its weights to rank 0."""
     import torch.distributed as dist
 
+    torch.set_num_threads(threads)      # as rank 0: a reduction's rounding (the clipping norm) follows the threads
     share = data_parallel.join(rank, world, init_method)
     model = load_model(path)
     trainer = _trainer(model)
@@ -66,7 +67,7 @@ def test_two_ranks_take_the_one_process_step_on_the_whole_batch(tiny_ckpt):
     for batch in _batches(alone):
         solo_losses.append(solo.step(batch))
         solo_after.append(_after(solo))
-    with data_parallel.ranks(2, _step_rank, (str(tiny_ckpt),)) as share:
+    with data_parallel.ranks(2, _step_rank, (str(tiny_ckpt), torch.get_num_threads())) as share:
         assert share.world == 2 and share.rank == 0
         model = load_model(tiny_ckpt)
         trainer = _trainer(model)
