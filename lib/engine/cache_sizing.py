@@ -23,12 +23,13 @@ def make_store(model, num_blocks: int, max_seqs: int, rings: bool, slack: int = 
 
 def can_admit(store: PagedCache, seq_id, length: int, running: dict, reserve_blocks: int) -> bool:
     """Room for a new sequence's first `length` positions while every running sequence (`running`:
-    id -> the positions it holds after this step) keeps room to grow by `reserve_blocks` blocks of the finest entry group (the admission gate, L26).
-    The reserve is counted in positions, not blocks per group: a block of the ratio-m group covers
-    m x block_tokens positions, so a coarse group is asked for a block only by the sequences that
-    the growth carries into a new one (a block per sequence in every group would hold back most of
-    a coarse group, which has only cdiv(num_blocks, m) + max_seqs blocks)."""
-    span = reserve_blocks * store.block_tokens * min(store.ratios, default=1)
+    id -> the positions it holds after this step) keeps room to grow by `reserve_blocks` blocks of
+    block_tokens positions, the unit --num-blocks counts in (the admission gate, L26). The reserve is
+    counted in positions, not blocks per entry group: a block of the ratio-m group covers
+    m x block_tokens positions, so a group is asked for a block only by the sequences that the growth
+    carries into a new one (a block per sequence in every group would hold back most of a coarse
+    group, which has only cdiv(num_blocks, m) + max_seqs blocks)."""
+    span = reserve_blocks * store.block_tokens
     grown = [(other, end + span) for other, end in running.items()]
     return store.can_fit([(seq_id, length), *grown])
 

@@ -21,6 +21,7 @@ import torch
 import backends.cpu.ops.attention as reference_attention
 from backends.cpu.ops import indexer as reference_indexer
 from backends.cpu.ops.basic import wide
+from lib.training.data_parallel import Share
 
 
 class Distillation:
@@ -31,12 +32,11 @@ class Distillation:
         self.sums: list[torch.Tensor] = []       # per CSA layer: the KL summed over the queries that see an entry
         self.rows: list[int] = []                # and how many queries those are
 
-    def loss(self, share=None) -> torch.Tensor | None:
+    def loss(self, share: Share = Share()) -> torch.Tensor | None:
         """The mean over CSA layers of each layer's mean KL per query. `share` (lib/training/data_parallel.py):
         this forward is one rank's share of the batch, so each layer's sum is divided by the queries of every
         rank; the ranks' losses then add up to the whole batch's."""
-        rows = share.total(self.rows) if share is not None else self.rows
-        kept = [s / n for s, n in zip(self.sums, rows) if n]
+        kept = [s / n for s, n in zip(self.sums, share.total(self.rows)) if n]
         return torch.stack(kept).sum() / len(kept) if kept else None
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 import backends.cpu.ops.moe as reference_moe
+from lib.training.data_parallel import Share
 
 BIAS_RATE = 1e-3           # DeepSeek-V3's bias update speed
 
@@ -31,11 +32,11 @@ class Loads:
         self.counts[id(bias)] = (bias, counts)
 
     @torch.no_grad()
-    def update_biases(self, share=None) -> None:
+    def update_biases(self, share: Share = Share()) -> None:
         """Each bias one BIAS_RATE step towards balance; `share` (lib/training/data_parallel.py): the loads
         are summed over the ranks first, so every rank moves its biases alike."""
         entries = list(self.counts.values())
-        if share is not None and share.group is not None and entries:
+        if share.group is not None and entries:
             summed = share.sum(torch.cat([c for _, c in entries])).split([len(c) for _, c in entries])
             entries = [(bias, c) for (bias, _), c in zip(entries, summed)]
         for bias, counts in entries:

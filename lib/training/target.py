@@ -130,7 +130,6 @@ class TargetTrainer:
         ce_all, kl_all = share.sum(losses).tolist()
         return ce_all, kl_all
 
-
     def finish(self) -> None:
         """Back to inference: the weights stop requiring grad (the engine runs under inference_mode)."""
         for _, v in self.named:

@@ -166,18 +166,20 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(cpu_model):
 
 
 def test_admission_keeps_room_for_the_running_requests_to_grow_in_positions(cpu_model):
-    # 8 prompts of 40 positions take one block of each entry group (16 entries of ratio 4 and of 8);
-    # growing by one block of the finest group (16 x 4 = 64 positions) takes one more ratio-4 block and
-    # no ratio-8 one. num_blocks = N gives the ratio-4 group cdiv(N, 4) + 8 blocks: the 8th admission
+    # 8 prompts of 60 positions take one block of each entry group (15 entries of ratio 4, 7 of ratio 8,
+    # blocks of 16); growing by one block of 16 positions takes a second ratio-4 block (19 entries) and
+    # no ratio-8 one (9). num_blocks = N gives the ratio-4 group cdiv(N, 4) + 8 blocks: the 8th admission
     # needs 8 taken + 7 growing = 15 of them, so N = 28 admits all 8 and N = 24 (14 blocks) admits 7.
     # N = 32 leaves the ratio-8 group cdiv(32, 8) + 8 = 12 blocks, all the 8 sequences need there:
-    # a free block kept per running request in every group would admit only 6.
-    prompts = [prompt_ids(40, 1024, seed=60 + k) for k in range(8)]
-    for num_blocks, admitted in ((24, 7), (28, 8), (32, 8)):
-        engine = _engine(cpu_model, speculative="none", num_blocks=num_blocks, max_num_batched_tokens=320)
+    # a free block kept per running request in every group would admit only 6. Prompts of 50 grow into
+    # no new block (16 entries of ratio 4), so N = 24 admits all 8; a reserve of a ratio-4 block's
+    # positions (64) would carry each into a second block and admit 7.
+    for length, num_blocks, admitted in ((60, 24, 7), (60, 28, 8), (60, 32, 8), (50, 24, 8)):
+        prompts = [prompt_ids(length, 1024, seed=60 + k) for k in range(8)]
+        engine = _engine(cpu_model, speculative="none", num_blocks=num_blocks, max_num_batched_tokens=480)
         ids = [engine.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
         engine.step()
-        assert sum(len(engine.requests[i].output) == 1 for i in ids) == admitted, num_blocks
+        assert sum(len(engine.requests[i].output) == 1 for i in ids) == admitted, (length, num_blocks)
         while engine.has_unfinished():
             engine.step()
         assert all(engine.requests[i].finish_reason == "length" for i in ids)
