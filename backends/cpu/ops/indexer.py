@@ -53,11 +53,12 @@ def _keys(addr, keys: torch.Tensor, ratio: int, ids: torch.Tensor) -> torch.Tens
 
 def merge_top(best_scores: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best of a running selection (ascending ids) and a block of later entries (ascending,
-    all above the selection's): ordered by (score descending, id ascending), returned by id."""
+    """The k best of a running selection, kept in (score descending, id ascending) order, and a block of
+    later entries (ascending ids, all above the selection's), returned in that order. One stable sort
+    keeps it: the selection comes first and the block after, so equal scores stay in ascending id
+    (lower ids first at a tie); the caller puts the final selection in id order once."""
     all_scores, all_ids = torch.cat((best_scores, scores), dim=1), torch.cat((best_ids, ids), dim=1)
-    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :k]  # ties: lower id first
-    order = order.sort(dim=1).values                                                     # back to id order
+    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :k]
     return torch.gather(all_scores, 1, order), torch.gather(all_ids, 1, order)
 
 
@@ -81,7 +82,7 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     t = q.shape[0]
     limit = (batch.positions + 1) // ratio                                               # [T]: visible ids < limit
     ws = weights.to(wide.dtype) * weight_scale
-    # the running selection starts as k empty slots: ids -k..-1 (below every real id), -inf
+    # the running selection starts as k empty slots: ids -k..-1 (below every real id, in order), -inf
     best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
     best = torch.full((t, topk), float("-inf"), dtype=wide.dtype)
     n = block_size(t, q.shape[1], q.shape[2])          # every block full width
