@@ -12,6 +12,7 @@ from types import MappingProxyType
 import torch
 
 from lib.emulation import compressor_kernel
+from lib.emulation.int_numerics import pack_int4
 from lib.emulation import lightning_indexer as indexer
 from lib.emulation import moe_finalize
 from lib.emulation import npu_ops as emu
@@ -282,7 +283,7 @@ def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type
     """Symmetric dynamic quantisation: scale = amax|x * smooth| / DTYPE_MAX (127 int8, 7 int4) over the token
     (pertoken, scale shape x.shape[:-1]), the tensor ([1]) or the channel ([H]); y = round(x * smooth / scale),
     half to even, clamped symmetric. int4 (dst_type quint4x2) packs 8 per int32 along the last dim, element 8j+i
-    in bits 4i..4i+3 (emu.pack_int4) - the same order npu_grouped_matmul's W4A8 weights use here."""
+    in bits 4i..4i+3 (int_numerics.pack_int4) - the same order npu_grouped_matmul's W4A8 weights use here."""
     c, op = emu.chip(SOC), "npu_dynamic_quant"
     emu.check_float(c, op, frozenset({F16, BF16}), x)
     emu.need(x.dim() >= 2, f"{op}: input needs >= 2 dims, found {tuple(x.shape)}")
@@ -300,4 +301,4 @@ def _dynamic_quant(x, smooth_scales, group_index, dst_type, quant_mode, dst_type
     emu.need(quant_mode in dims, f"{op}: quant_mode {quant_mode!r} not in {sorted(dims)}")
     q, s = emu.quantize_symmetric(x, 127 if dt == I8 else 7, dims[quant_mode], smooth)
     shape = {"pertoken": x.shape[:-1], "pertensor": (1,), "perchannel": (h,)}[quant_mode]
-    return (emu.pack_int4(q) if dt == INT4 else q), s.reshape(shape)
+    return (pack_int4(q) if dt == INT4 else q), s.reshape(shape)

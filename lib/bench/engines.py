@@ -44,9 +44,11 @@ class Ours:
     def _engine(self, seqs: int, longest: int, batched: int):
         from lib.engine.llm_engine import Engine, EngineConfig
         from lib.engine.cache_sizing import blocks_for
+        from lib.engine.scheduler import SchedulerConfig
 
-        # a spare block per sequence: admission keeps room for each running decode to grow (L26)
-        blocks = blocks_for(self.model, seqs, longest) + seqs
+        # admission keeps room for each running decode to grow (L26): the engine's own reserve per sequence
+        reserve = SchedulerConfig._field_defaults["decode_reserve_blocks"]
+        blocks = blocks_for(self.model, seqs, longest) + seqs * reserve
         return Engine(self.model, EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=batched,
                                                max_model_len=longest, num_blocks=blocks, speculative="none"))
 

@@ -6,15 +6,31 @@ differs from every m >= 2). A device gives a token the same answer in any batch 
 kernels do; the emulation models such a device, because the engine's guarantees (a request's
 tokens do not depend on its batch; DSpark's verify of six rows equals six one-row decodes) are
 tested here and must not fail through an artefact of the host BLAS. So on CPU every product is
-made of [ROWS, K] @ [K, N] products, the rows padded with zeros to a multiple of ROWS: one shape,
-so one kernel and one order of summation for a row wherever it sits in a block and whatever rows
-come with it (checked here for fp32, bf16 and fp16 at every position of a block). On a real device
-the plain matmul runs and batch invariance is the kernels' property.
+made of [ROWS, K] @ [K, N] products, the rows padded with zeros to a multiple of ROWS (and a narrow N
+to a multiple of COLUMNS): one shape, so one kernel and one order of summation for a row wherever it
+sits in a block and whatever rows come with it (checked here for fp32, bf16 and fp16 at every position
+of a block). On a real device the plain matmul runs and batch invariance is the kernels' property.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+
+# Columns are padded with zeros to a multiple of COLUMNS (above COLUMNS // 2 of them): host BLAS has kernels
+# for narrow products whose result for a row depends on the row's place in the block (measured here: MKL's
+# AVX2 path on an AMD EPYC, fp32, N of 5-7 and 9-11, at every K tried, rows 1-3 and 5-7 of a block differ from
+# rows 0 and 4); with N a multiple of 8 no such dependence was found for N up to 140 and K 4-256, nor with
+# N <= 4 (tests/backends/test_invariant_matmul.py checks every N up to 48).
+COLUMNS = 8
+
+
+def _wide_enough(b: torch.Tensor) -> torch.Tensor:
+    """b [..., K, N] with N zero-padded to a multiple of COLUMNS where N > COLUMNS // 2."""
+    n = b.shape[-1]
+    if n <= COLUMNS // 2 or n % COLUMNS == 0:
+        return b
+    return torch.nn.functional.pad(b, (0, COLUMNS - n % COLUMNS))
 
 
 # Rows per block. Making every row its own item of one bmm against the weight expanded
@@ -62,15 +78,16 @@ def _groups(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    lead = a.shape[:-1]
+    lead, n = a.shape[:-1], b.shape[-1]
+    b = _wide_enough(b)
     rows = a.reshape(-1, a.shape[-1]).contiguous()                          # [M, K], one layout for every call
     m = rows.shape[0]
     if m == 0:
         return a.new_zeros((*lead, b.shape[-1]))
     if m % ROWS:
         rows = torch.cat([rows, rows.new_zeros(ROWS - m % ROWS, rows.shape[1])])
-    out = torch.cat([torch.mm(rows[i:i + ROWS], b) for i in range(0, rows.shape[0], ROWS)])    # [M + pad, N]
-    return out[:m].reshape(*lead, b.shape[-1])
+    out = torch.cat([torch.mm(rows[i:i + ROWS], b) for i in range(0, rows.shape[0], ROWS)])    # [M + pad, N + pad]
+    return out[:m, :n].contiguous().reshape(*lead, n)
 
 
 # Bytes of B's operand repeated per block of rows that one host bmm makes (more heads than ROWS: B's operand once
@@ -88,7 +105,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     process vs TP=4), which flipped a greedy token on ascend910. On CPU each item's rows are padded
     with zeros to blocks of ROWS, each block its own batch item against the item's B operand: one
     shape, [ROWS, K] @ [K, N], whatever M is. A row's value depends neither on its place in the
-    block nor on the other rows (checked here in fp32 for K 16-128 and N 1-257), nor on how many
+    block nor on the other rows (checked here in fp32 for K 16-128 and N 1-257, N padded as `_wide_enough`
+    does), nor on how many
     items come with it, except that a lone item with N = 1 takes a gemv path: it is paired with a
     zero item. Making every row its own item instead would copy B's operand M times, the largest cost
     of a verify step of the ascend910 emulation at batch 16 (a fifth of its time)."""
@@ -106,6 +124,9 @@ def _row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch, m, k = a.shape
     if batch * m == 0:
         return torch.bmm(a, b)
+    n = b.shape[-1]
+    if _wide_enough(b) is not b:
+        return _row_blocks(a, _wide_enough(b))[..., :n].contiguous()
     blocks = -(-m // ROWS)
     if blocks * ROWS != m:
         a = torch.cat([a, a.new_zeros(batch, blocks * ROWS - m, k)], 1)

@@ -1,6 +1,6 @@
 """CPU emulations of the torch_npu ops the Ascend backends call, with each chip's quirks ON (soc "310p" =
-Atlas 300I Duo, "910b" = A2/A3): exact int8 numerics (torch.round = round half to even, int32 accumulation
-computed exactly in int64), refusals that name the lesson id (data/porting-lessons.yaml), and rows a kernel
+Atlas 300I Duo, "910b" = A2/A3): exact int8 numerics (lib/emulation/int_numerics.py; torch.round = round half
+to even, the int32 accumulation exact), refusals that name the lesson id (data/porting-lessons.yaml), and rows a kernel
 leaves unwritten filled with garbage. Also the lazy torch_npu / ROCm probes the device modules dispatch on.
 Must not know the model, tensor names or which backend calls it; holds no mutable state.
 """
@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 import torch
 
+from lib.emulation.int_numerics import int_matmul, quantize_symmetric, saturate_int8, unpack_int4
 from lib.emulation.invariant_matmul import matmul
 
 
@@ -107,44 +108,6 @@ def forward(real, shim_locals: dict):
     names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     return real(*(shim_locals[n] for n in names[:code.co_argcount]),
                 **{n: shim_locals[n] for n in names[code.co_argcount:]})
-
-
-# ---- integer numerics -------------------------------------------------------------------------------
-def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Integer a [..., m, k] @ b [..., k, n] -> int32: exact in int64, wrapped to int32 like the device's
-    int32 accumulator (exact for int8 unless k > 2**17)."""
-    return torch.matmul(a.to(I64), b.to(I64)).to(I32)
-
-
-def saturate_int8(y: torch.Tensor) -> torch.Tensor:
-    return torch.round(y).clamp(-128, 127).to(I8)
-
-
-def quantize_symmetric(x: torch.Tensor, qmax: int, dims=(-1,), smooth=None):
-    """s = amax|x * smooth| over `dims` / qmax (fp32, keepdim); q = round(x * smooth / s) clamped to
-    [-qmax, qmax]. The clamp only catches fp32 rounding just above qmax (the row max maps to exactly qmax),
-    so the result is symmetric. An all-zero row gets s = 0 and q = 0 (the emulation's choice)."""
-    xf = x.float() if smooth is None else x.float() * smooth.float()
-    s = xf.abs().amax(dim=dims, keepdim=True) / qmax
-    q = torch.round(xf / torch.where(s == 0, torch.ones_like(s), s)).clamp(-qmax, qmax).to(I8)
-    return q, s
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int4 values held in int8 [..., 8j] -> int32 [..., j]. Element 8j+i sits in bits 4i..4i+3 (lowest nibble
-    first, the low-then-high order of lib/quant/bit_codecs.py, B01), as a two's-complement nibble."""
-    need(q.shape[-1] % 8 == 0, f"int4 packing needs a last dim divisible by 8, found {tuple(q.shape)}")
-    need(bool(((q >= -8) & (q <= 7)).all()), "int4 packing: values must lie in [-8, 7]")
-    nib = (q.to(I64) & 0xF).reshape(*q.shape[:-1], -1, 8)
-    word = (nib << torch.arange(0, 32, 4, dtype=I64)).sum(-1)
-    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(I32)
-
-
-def unpack_int4(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4: int32 [..., j] -> int8 [..., 8j] in [-8, 7]."""
-    need(p.dtype == I32, f"int4 unpacking expects int32 words, found {p.dtype}")
-    nib = ((p.to(I64) & 0xFFFFFFFF).unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=I64)) & 0xF
-    return torch.where(nib >= 8, nib - 16, nib).to(I8).flatten(-2)
 
 
 # ---- rows the kernel never writes (L05) -------------------------------------------------------------

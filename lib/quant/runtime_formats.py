@@ -104,7 +104,7 @@ class W4A8(NamedTuple):
 
 def to_w4a8_channel(storage: str, parts: dict, cfg: ModelConfig, quantize=quantize_rows) -> W4A8:
     """Any storage -> exact fp32 [N, K] -> int4 per output channel (scale amax/7), packed [K, N/8]."""
-    from lib.emulation.npu_ops import pack_int4
+    from lib.emulation.int_numerics import pack_int4
 
     if storage in ("w4a8_dynamic", "w4a8_dynamic_down") and _symmetric(parts):
         # a ModelSlim W4A8_DYNAMIC weight: the same int4 codes and scales, repacked along K-major words

@@ -198,7 +198,7 @@ def _interleave_int4(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Packed int4 words [..., K, N/8] of two weights -> [..., K, 2N/8], output 2j a's j-th and 2j+1 b's j-th; one
     [K, N/8] matrix at a time, because unpacking goes through int64 (a whole Flash layer's experts at once would
     take gigabytes)."""
-    from lib.emulation.npu_ops import pack_int4, unpack_int4
+    from lib.emulation.int_numerics import pack_int4, unpack_int4
 
     if a.shape != b.shape:
         raise ValueError(f"interleaved merged weights need one shape, got {tuple(a.shape)} and {tuple(b.shape)}")

@@ -9,6 +9,7 @@ import torch
 
 import backends.ascend310p.device_ops as p310
 import backends.ascend910.device_ops as p910
+from lib.emulation import int_numerics
 from lib.emulation import npu_ops as emu
 from tests.backends.device_inputs import dot as _dot, gen, randint8
 
@@ -39,7 +40,7 @@ def test_quant_matmul_910_pertoken_bf16_int32_and_int4():
         for n in range(8):
             assert int(acc[m, n]) == _dot(x1[m], w[:, n])
             assert y[m, n] == (torch.tensor(int(acc[m, n]), dtype=F32) * scale[n] * pts[m]).bfloat16()
-    packed = emu.pack_int4(w)  # (k, n // 8) int32
+    packed = int_numerics.pack_int4(w)  # (k, n // 8) int32
     assert packed.shape == (16, 1) and torch.equal(p910.npu_quant_matmul(x1, packed, scale, pertoken_scale=pts,
                                                                          output_dtype=BF16), y)
 
@@ -55,7 +56,7 @@ def test_quant_matmul_310p_refusals_l03_l02_pertoken():
     with pytest.raises(ValueError, match="pertoken_scale"):
         p310.npu_quant_matmul(x1, w, s, pertoken_scale=torch.ones(2), output_dtype=F16)
     with pytest.raises(ValueError, match="int8 only"):
-        p310.npu_quant_matmul(emu.pack_int4(randint8(2, 8, lo=-8, hi=8)), w, s, output_dtype=F16)
+        p310.npu_quant_matmul(int_numerics.pack_int4(randint8(2, 8, lo=-8, hi=8)), w, s, output_dtype=F16)
     assert p910.npu_quant_matmul(x1, w, s, output_dtype=torch.int32).dtype == I32  # 910 allows INT32
 
 
@@ -182,7 +183,7 @@ def test_grouped_matmul_910_w8a8_and_w4a8_per_token():
         for col in range(n):
             acc = _dot(x[row], w[g, :, col])
             assert y8[row, col] == (torch.tensor(acc, dtype=F32) * sc[g, col] * pts[row]).bfloat16()
-    w4 = emu.pack_int4(w)  # [E, K, N // 8]
+    w4 = int_numerics.pack_int4(w)  # [E, K, N // 8]
     assert w4.shape == (2, k, n // 8) and w4.dtype == I32
     assert torch.equal(p910.npu_grouped_matmul([x], [w4], weight_dtype=torch.quint4x2, **kw)[0], y8)
     assert torch.equal(p910.npu_grouped_matmul([x], [w4], weight_dtype=285, **kw)[0], y8)
@@ -393,7 +394,7 @@ def test_dynamic_quant_910_per_token_int8_and_int4_round_trip():
     assert y4.dtype == I32 and y4.shape == (2, 3, 2) and s4.shape == (2, 3)
     for i in range(2):
         for j in range(3):
-            assert emu.unpack_int4(y4[i, j]).tolist() == _ref_dynamic_row(x[i, j], 7)[0]
+            assert int_numerics.unpack_int4(y4[i, j]).tolist() == _ref_dynamic_row(x[i, j], 7)[0]
     smooth = torch.rand(16, generator=gen(34)) + 0.5
     ys, ss = p910.npu_dynamic_quant(x, smooth_scales=smooth.half())
     assert torch.equal(ss, (x.float() * smooth.half().float()).abs().amax(-1) / 127)
@@ -401,8 +402,29 @@ def test_dynamic_quant_910_per_token_int8_and_int4_round_trip():
 
 
 def test_int4_packing_order_is_low_nibble_first_and_round_trips():
-    assert emu.pack_int4(torch.tensor([1, 2, 3, 4, 5, 6, 7, -1], dtype=I8)).tolist() == [0xF7654321 - 2 ** 32]
+    assert int_numerics.pack_int4(torch.tensor([1, 2, 3, 4, 5, 6, 7, -1], dtype=I8)).tolist() == [0xF7654321 - 2 ** 32]
     q = torch.randint(-8, 8, (3, 5, 32), generator=gen(35), dtype=I8)
-    assert torch.equal(emu.unpack_int4(emu.pack_int4(q)), q)
+    assert torch.equal(int_numerics.unpack_int4(int_numerics.pack_int4(q)), q)
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
-        emu.pack_int4(torch.full((8,), 9, dtype=I8))
+        int_numerics.pack_int4(torch.full((8,), 9, dtype=I8))
+
+
+def test_int_matmul_is_exact_and_wraps_like_an_int32_accumulator():
+    # int8 operands run in fp64 (every partial sum an integer below 2**53): equal to the int64 product in any
+    # layout, and wrapped to int32 past 2**31 as the device's accumulator is
+    a, b = randint8(7, 300, seed=36), randint8(300, 24, seed=37)
+    assert torch.equal(int_numerics.int_matmul(a, b), torch.matmul(a.to(I64), b.to(I64)).to(I32))
+    assert torch.equal(int_numerics.int_matmul(a, b.t().contiguous().t()), int_numerics.int_matmul(a, b))
+    k = 2 ** 17 + 8                                   # (-128)^2 * k = 2**31 + 2**17: past int32
+    big = int_numerics.int_matmul(torch.full((1, k), -128, dtype=I8), torch.full((k, 1), -128, dtype=I8))
+    assert int(big) == 2 ** 14 * k - 2 ** 32
+
+
+def test_int4_unpacking_reads_each_nibble_of_the_word():
+    words = torch.tensor([[-2 ** 31, 2 ** 31 - 1, -1, 0, 0x12345678, -0x789ABCDF]], dtype=I32)
+    want = [[((w & 0xFFFFFFFF) >> (4 * i) & 0xF) - 16 * (((w & 0xFFFFFFFF) >> (4 * i) & 0xF) >= 8)
+             for i in range(8)] for w in words[0].tolist()]
+    got = int_numerics.unpack_int4(words)
+    assert got.dtype == I8 and got.shape == (1, 48)
+    assert got.reshape(6, 8).tolist() == want
+    assert torch.equal(int_numerics.unpack_int4(words[:, 1::2]), got.reshape(6, 8)[1::2].reshape(1, 24))   # a strided view

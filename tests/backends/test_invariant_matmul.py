@@ -35,3 +35,17 @@ def test_a_strided_operand_gives_the_contiguous_ones_values():
     a, keys = torch.randn(6, 8, 64, generator=gen), torch.randn(6, 37, 64, generator=gen)
     assert torch.equal(invariant.bmm(a, keys.transpose(1, 2)), invariant.bmm(a, keys.transpose(1, 2).contiguous()))
     assert torch.equal(invariant.bmm(a[:1], keys[:1].transpose(1, 2)), invariant.bmm(a, keys.transpose(1, 2))[:1])
+
+
+@pytest.mark.parametrize("k", [8, 16, 64, 100])
+def test_a_row_is_the_same_at_every_place_in_a_block_for_every_narrow_width(k):
+    # host BLAS kernels for narrow products can round a row by its place in the block (MKL's AVX2 path: N of 5-11)
+    gen = torch.Generator().manual_seed(k)
+    for n in range(1, 49):
+        row, b = torch.randn(1, k, generator=gen), torch.randn(k, n, generator=gen)
+        alone, alone_item = invariant.matmul(row, b)[0], invariant.bmm(row[None], b[None])[0, 0]
+        for place in range(1, invariant.ROWS):
+            a = torch.randn(invariant.ROWS, k, generator=gen)
+            a[place] = row[0]
+            assert torch.equal(invariant.matmul(a, b)[place], alone), (n, place)
+            assert torch.equal(invariant.bmm(a[None], b[None])[0, place], alone_item), (n, place)

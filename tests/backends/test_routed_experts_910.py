@@ -94,7 +94,7 @@ def test_finalize_routing_reads_its_index_by_row_or_by_column_and_adds_the_skips
 
 def _split_interleaved(w):
     """A merged interleaved W4A8 weight back into its two projections (even | odd output columns)."""
-    from lib.emulation.npu_ops import pack_int4, unpack_int4
+    from lib.emulation.int_numerics import pack_int4, unpack_int4
 
     codes = unpack_int4(w.qweight)
     return [lowerings.W4A8(pack_int4(codes[..., j::2].contiguous()), w.scale[..., j::2].contiguous()) for j in (0, 1)]
@@ -111,7 +111,7 @@ def test_the_loader_merges_gate_and_up_where_the_profile_says(tiny_ckpt):
 
 
 def test_merge_outputs_interleaves_where_the_layout_says_and_the_gemm_output_alternates():
-    from lib.emulation.npu_ops import pack_int4, unpack_int4
+    from lib.emulation.int_numerics import pack_int4, unpack_int4
     from lib.quant.runtime_formats import W4A8, W8A8
     from lib.weights.params import merge_outputs
 

@@ -82,17 +82,28 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     t = q.shape[0]
     limit = (batch.positions + 1) // ratio                                               # [T]: visible ids < limit
     ws = weights.to(wide.dtype) * weight_scale
-    # the running selection starts as k empty slots: ids -k..-1 (below every real id, in order), -inf
-    best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
-    best = torch.full((t, topk), float("-inf"), dtype=wide.dtype)
+    best, best_ids = empty_selection(t, topk)
     n = block_size(t, q.shape[1], q.shape[2])          # every block full width
     for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int64)
         scores = block_scores(q, ws, _keys(addr, keys, ratio, ids)).masked_fill_(ids[None, :] >= limit[:, None],
                                                                                  float("-inf"))
         best, best_ids = merge_top(best, best_ids, scores, ids.expand(t, n), topk)
-    # the selected entries first, in ascending id, then the padding: one layout whatever else the
-    # running selection held (which unselectable entries filled its empty slots)
-    found = torch.isfinite(best)
-    order = torch.where(found, best_ids, torch.iinfo(torch.int64).max).sort(dim=1).values
-    return torch.where(order == torch.iinfo(torch.int64).max, -1, order)
+    return selected_ids(best, best_ids)
+
+
+def empty_selection(t: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running selection of `merge_top` before any block: k empty slots per query, scores -inf [T, k] fp64,
+    ids -k..-1 [T, k] (below every real id, in order)."""
+    best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)
+    return torch.full((t, topk), float("-inf"), dtype=wide.dtype), best_ids
+
+
+_NONE = torch.iinfo(torch.int64).max
+
+
+def selected_ids(best: torch.Tensor, best_ids: torch.Tensor) -> torch.Tensor:
+    """A finished running selection -> [T, k] ids: the selected entries first, in ascending id, then -1 padding;
+    one layout whatever else the selection held (which unselectable entries filled its empty slots)."""
+    order = torch.where(torch.isfinite(best), best_ids, _NONE).sort(dim=1).values
+    return torch.where(order == _NONE, -1, order)

@@ -21,8 +21,6 @@ from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
 from lib.records.decode_state import CompressorPools
 
-_NONE = torch.iinfo(torch.int64).max
-
 
 def latent_compress(h: torch.Tensor, batch: Batch, pools: CompressorPools, keys: CompressorPools, wkv: torch.Tensor,
                     wgate: torch.Tensor | None, norm: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor, *,
@@ -72,8 +70,7 @@ def shared_index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, ke
         n = -(-n // block) * block                                      # whole candidate blocks per tile
     if candidates is not None and not candidate_source:
         candidates = torch.nn.functional.pad(candidates, (0, -total % n))         # False past the last entry
-    best_ids = (torch.arange(topk, dtype=torch.int64) - topk).expand(t, topk)        # k empty slots below every id
-    best = torch.full((t, topk), float("-inf"), dtype=wide.dtype)
+    best, best_ids = indexer.empty_selection(t, topk)
     maxima = []
     for lo in range(0, total, n):
         ids = torch.arange(lo, lo + n, dtype=torch.int64)
@@ -89,5 +86,4 @@ def shared_index_select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, ke
         candidates = kept_entries(best_blocks, limit, block, topk_blocks, total)
     elif candidates is not None:
         candidates = candidates[:, :total]
-    order = torch.where(torch.isfinite(best), best_ids, _NONE).sort(dim=1).values
-    return torch.where(order == _NONE, -1, order), candidates
+    return indexer.selected_ids(best, best_ids), candidates
