@@ -83,7 +83,7 @@ def _blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = a.reshape(-1, a.shape[-1]).contiguous()                          # [M, K], one layout for every call
     m = rows.shape[0]
     if m == 0:
-        return a.new_zeros((*lead, b.shape[-1]))
+        return a.new_zeros((*lead, n))
     if m % ROWS:
         rows = torch.cat([rows, rows.new_zeros(ROWS - m % ROWS, rows.shape[1])])
     out = torch.cat([torch.mm(rows[i:i + ROWS], b) for i in range(0, rows.shape[0], ROWS)])    # [M + pad, N + pad]
@@ -105,11 +105,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     process vs TP=4), which flipped a greedy token on ascend910. On CPU each item's rows are padded
     with zeros to blocks of ROWS, each block its own batch item against the item's B operand: one
     shape, [ROWS, K] @ [K, N], whatever M is. A row's value depends neither on its place in the
-    block nor on the other rows (checked here in fp32 for K 16-128 and N 1-257, N padded as `_wide_enough`
-    does), nor on how many
-    items come with it, except that a lone item with N = 1 takes a gemv path: it is paired with a
-    zero item. Making every row its own item instead would copy B's operand M times, the largest cost
-    of a verify step of the ascend910 emulation at batch 16 (a fifth of its time)."""
+    block nor on the other rows (checked here in fp32 for K 16-128 and N 1-257, N padded as
+    `_wide_enough` does), nor on how many items come with it, except that a lone item with N = 1
+    takes a gemv path: it is paired with a zero item. Making every row its own item instead would
+    copy B's operand M times, the largest cost of a verify step of the ascend910 emulation at batch
+    16 (a fifth of its time)."""
     if not a.is_cpu:
         return torch.bmm(a, b)
     if _under_guard():

@@ -49,3 +49,9 @@ def test_a_row_is_the_same_at_every_place_in_a_block_for_every_narrow_width(k):
             a[place] = row[0]
             assert torch.equal(invariant.matmul(a, b)[place], alone), (n, place)
             assert torch.equal(invariant.bmm(a[None], b[None])[0, place], alone_item), (n, place)
+
+
+def test_no_rows_give_no_rows_of_the_asked_width():
+    b = torch.randn(16, 7)                                            # a width that is padded for the product
+    assert invariant.matmul(torch.zeros(0, 16), b).shape == (0, 7)
+    assert invariant.bmm(torch.zeros(2, 0, 16), b.expand(2, 16, 7)).shape == (2, 0, 7)
