@@ -124,9 +124,9 @@ def _row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch, m, k = a.shape
     if batch * m == 0:
         return torch.bmm(a, b)
-    n = b.shape[-1]
-    if _wide_enough(b) is not b:
-        return _row_blocks(a, _wide_enough(b))[..., :n].contiguous()
+    wide = _wide_enough(b)
+    if wide is not b:
+        return _row_blocks(a, wide)[..., :b.shape[-1]].contiguous()
     blocks = -(-m // ROWS)
     if blocks * ROWS != m:
         a = torch.cat([a, a.new_zeros(batch, blocks * ROWS - m, k)], 1)
