@@ -136,8 +136,8 @@ class PagedCache:
     def fork(self, src, dst) -> None:
         """Sequence `dst` (added, nothing written) continues from `src`'s committed positions: every ring row of
         src's slot and every complete entry is copied into dst's own (no block is shared, so each writes only its
-        own from there on). The copies are tensor ops, so gradients reach src's rows through them (training's
-        shared prompt prefixes: lib/training/target.py)."""
+        own from there on): continuations of one prefix, the prefix computed once. The copies are tensor ops, so
+        gradients reach src's rows through them."""
         s, d = self._seq(src), self._seq(dst)
         if d.written:
             raise ValueError(f"cannot fork {src!r} into {dst!r}: {dst!r} already has {d.written} positions written")

@@ -8,7 +8,7 @@ out) to the softmax of the indexer's scores over the same entries. The target is
 itself still runs on the indexer's current top-k, as it will at inference, so the two meet as the indexer learns
 (DeepSeek-V3.2 trains a dense warm-up first; a tiny model's few entries make that stage unnecessary).
 
-Installed for one forward by `distilling()`, which wraps the reference backend's `index_select` (to score every
+Installed for the forwards of one batch by `distilling()`, which wraps the reference backend's `index_select` (to score every
 visible entry with the gradient kept) and `sparse_attention` (to take the target from the same q and entries the
 attention reads). Must not know the optimiser or the task mix.
 """
@@ -36,7 +36,7 @@ class Distillation:
 
     def loss(self, share: Share = Share()) -> torch.Tensor | None:
         """The mean over CSA layers of each layer's mean KL per query. `share` (lib/training/data_parallel.py):
-        this forward is one rank's share of the batch, so each layer's sum is divided by the queries of every
+        these forwards are one rank's share of the batch, so each layer's sum is divided by the queries of every
         rank; the ranks' losses then add up to the whole batch's."""
         kept = [s / n for s, n in zip(self.sums, share.total(self.rows)) if n]
         return torch.stack(kept).sum() / len(kept) if kept else None
@@ -54,7 +54,7 @@ class Distillation:
         p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)                              # [T, E]
         return p / p.sum(dim=-1, keepdim=True).clamp_min(1e-30)
 
-    def add(self, scores: torch.Tensor, target: torch.Tensor, forward) -> None:
+    def add(self, scores: torch.Tensor, target: torch.Tensor, forward=None) -> None:
         """One CSA layer's terms; `forward`: the Addressing of the forward it belongs to (each forward meets the
         CSA layers in the same order, so the i-th layer of every forward adds to the same sum)."""
         if forward is not self._forward:

@@ -3,7 +3,7 @@
 A learned layer picks its top-k experts by score + bias, and the bias only steers that choice. No gradient reaches
 it: after each optimiser step, each learned layer's bias rises by BIAS_RATE for every expert that took fewer than
 the mean number of tokens in that step and falls by it for every expert that took more, so that experts stay in use
-without a loss term pulling the scores. Installed for one forward by `balancing()`, which wraps the reference
+without a loss term pulling the scores. Installed for the forwards of one batch by `balancing()`, which wraps the reference
 backend's `route_learned` to count the tokens each expert was chosen for. Hash layers route by token id and are left
 alone. Must not know the optimiser or the task mix.
 """
@@ -20,7 +20,8 @@ BIAS_RATE = 1e-3           # DeepSeek-V3's bias update speed
 
 
 class Loads:
-    """Tokens routed to each expert of each learned layer in one forward, keyed by the layer's bias tensor."""
+    """Tokens routed to each expert of each learned layer in one batch's forwards, keyed by the layer's bias tensor
+    (a shared prompt opening's tokens once: lib/training/target.py prefill)."""
 
     def __init__(self):
         self.counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # id(bias) -> (bias, tokens per expert)

@@ -4,8 +4,8 @@ The `cpu` backend's generated forward holds every weight as a float64 tensor and
 ops, so the trainer makes those tensors leaves that require grad and steps them with AdamW: the model trained is, op
 for op, the model every backend is checked against, and its weights go back into the official format by the same
 codecs the loader reads (export.py). Each batch is a set of whole conversations prefilled together in a fresh paged
-cache, as the runtime prefills a batch of prompts; logits are computed only for the rows whose next token is part of
-a reply.
+cache, as the runtime prefills a batch of prompts, a prompt opening several of them share computed once (prefill);
+logits are computed only for the rows whose next token is part of a reply.
 
 Selections are not differentiable: the indexer's top-k passes no gradient to the indexer, which learns from its
 own distillation loss instead (indexer.py, weighted INDEXER_WEIGHT in the total), and the routers' bias-adjusted
@@ -28,8 +28,9 @@ from lib.training.indexer import distilling
 from lib.training.routing import balancing
 
 INDEXER_WEIGHT = 0.1     # the indexer's KL beside the reply cross-entropy (it reaches the shared q path too)
-# A prompt opening shared by this many tokens or more is computed once per batch (prefill): the tools block every
-# tool call opens with is ~500 tokens, the common opening of other prompts a few.
+# A prompt opening that conversations share for this many tokens or more is computed once per batch (prefill): a
+# long fixed preamble (a system prompt, a tools block) is worth a second forward, the few tokens every chat
+# template opens with are not.
 MIN_SHARED = 64
 
 
@@ -72,9 +73,9 @@ def reply_rows(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def shared_prefixes(seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
-    """Conversations whose prompts open with the same tokens (every tool call opens with the same tools block): for
-    each group of two or more that share at least MIN_SHARED tokens, (the tokens they share, stopped a token before
-    the earliest reply, so every row that predicts a reply token is a member's own; the members' indices)."""
+    """Conversations whose prompts open with the same tokens (a shared preamble): for each group of two or more that
+    share at least MIN_SHARED tokens, (the tokens they share, stopped a token before the earliest reply, so every
+    row that predicts a reply token is a member's own; the members' indices)."""
     by_opening: dict[tuple[int, ...], list[int]] = {}
     for i, s in enumerate(seqs):
         if s.reply_start - 1 >= MIN_SHARED:
@@ -105,46 +106,55 @@ def prefill(model, seqs: list[Sequence], logit_rows: torch.Tensor | None = None)
     for n, members in groups:
         for m in members:
             starts[m] = n
+    where, opening_rows = _row_layout(seqs, groups, starts)
+    wanted = None if logit_rows is None else [where[r] for r in logit_rows.tolist()]
+    picked = [None, None] if wanted is None else [sorted({j for k, j in wanted if k == f}) for f in (0, 1)]
     store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs] + [n for n, _ in groups])
     openings = [("opening", g) for g in range(len(groups))]
-    # every full-batch row's (forward, row in that forward): the openings' forward is 0, the rest's 1
-    where, first, rest = [], [0], 0
-    for n, _ in groups:
-        first.append(first[-1] + n)
-    group_of = {m: g for g, (_, members) in enumerate(groups) for m in members}
-    for i, s in enumerate(seqs):
-        g = group_of.get(i)
-        where += [(0, first[g] + t) if t < starts[i] else (1, rest + t - starts[i]) for t in range(len(s.ids))]
-        rest += len(s.ids) - starts[i]
-    wanted = None if logit_rows is None else [where[r] for r in logit_rows.tolist()]
     outs = []
     if groups:
-        for h, (n, _) in zip(openings, groups):
+        for h in openings:
             store.add(h)
-        outs.append(_forward(model, store, openings, [seqs[members[0]].ids[:n] for n, members in groups],
-                             None if wanted is None else sorted({j for k, j in wanted if k == 0})))
+        outs.append(_forward(model, store, openings, [seqs[members[0]].ids[:n] for n, members in groups], picked[0]))
     for i in range(len(seqs)):
         store.add(i)
     for h, (_, members) in zip(openings, groups):
         for m in members:
             store.fork(h, m)
     outs.append(_forward(model, store, list(range(len(seqs))), [s.ids[a:] for s, a in zip(seqs, starts)],
-                         None if wanted is None else sorted({j for k, j in wanted if k == 1}), starts))
+                         picked[1], starts))
     if not groups:
-        return outs[0][0], outs[0][1]
-    (l0, h0, r0), (l1, h1, r1) = outs
-    at = {(0, j): x for x, j in enumerate(range(first[-1]) if r0 is None else r0)}
-    at.update({(1, j): len(at) + x for x, j in enumerate(range(rest) if r1 is None else r1)})
-    logits = torch.cat((l0, l1)).index_select(0, torch.tensor([at[w] for w in (wanted or where)]))
+        return outs[0]
+    (l0, h0), (l1, h1) = outs
+    # each wanted row's place in the two forwards' logits laid end to end
+    at = {(0, j): x for x, j in enumerate(range(opening_rows) if picked[0] is None else picked[0])}
+    at.update({(1, j): len(at) + x for x, j in enumerate(range(len(where) - opening_rows) if picked[1] is None
+                                                          else picked[1])})
+    logits = torch.cat((l0, l1)).index_select(0, torch.tensor([at[w] for w in (where if wanted is None else wanted)],
+                                                                dtype=torch.int64))
     hidden = None if h1 is None else torch.cat((h0, h1)).index_select(
-        0, torch.tensor([j if k == 0 else first[-1] + j for k, j in where]))
+        0, torch.tensor([j if k == 0 else opening_rows + j for k, j in where], dtype=torch.int64))
     return logits, hidden
+
+
+def _row_layout(seqs: list[Sequence], groups, starts: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """Where each row of the conversations laid end to end is computed: (0, row of the openings' forward) for a
+    position inside its group's shared opening, else (1, row of the second forward); and the openings' rows."""
+    first = [0]
+    for n, _ in groups:
+        first.append(first[-1] + n)
+    group_of = {m: g for g, (_, members) in enumerate(groups) for m in members}
+    where, rest = [], 0
+    for i, s in enumerate(seqs):
+        where += [(0, first[group_of[i]] + t) if t < starts[i] else (1, rest + t - starts[i]) for t in range(len(s.ids))]
+        rest += len(s.ids) - starts[i]
+    return where, first[-1]
 
 
 def _forward(model, store: PagedCache, seq_ids: list, chunks: list[list[int]], logit_rows: list[int] | None,
              starts: list[int] | None = None):
     """One reference forward of `chunks` continuing `seq_ids` at `starts` (default 0), each committed after it:
-    (logits of logit_rows, or of every row, main_hidden, logit_rows)."""
+    (logits of logit_rows, or of every row, main_hidden)."""
     for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
         store.ensure(seq_id, start + len(chunk))
     rows = None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64)
@@ -152,14 +162,15 @@ def _forward(model, store: PagedCache, seq_ids: list, chunks: list[list[int]], l
     logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
     for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
         store.set_length(seq_id, start + len(chunk))
-    return logits, hidden, logit_rows
+    return logits, hidden
 
 
 def loss_of(model, seqs: list[Sequence], replies: int | None = None) -> torch.Tensor:
     """Cross-entropy of the reply tokens of `seqs`, prefilled together from position 0: the mean over each reply's
     tokens, then over the replies (a 70-token tool call weighs as much as a 3-token sum, not 23 times more).
     `replies`: the whole batch's replies when `seqs` is one data-parallel rank's share of it (default len(seqs)),
-    so that the ranks' losses add up to the batch's."""
+    so that the ranks' losses add up to the batch's. The value and its gradients are those of each conversation
+    prefilled alone, shared openings or not (prefill)."""
     rows, targets = reply_rows(seqs)
     logits, _ = prefill(model, seqs, rows)
     per_token = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
@@ -184,9 +195,10 @@ class TargetTrainer:
         losses and expert loads are summed, so every rank takes the same step (lib/training/data_parallel.py)."""
         for group in self.opt.param_groups:
             group["lr"] = self.schedule.lr_at(self.step_count)
-        if len(seqs) < share.world:      # too few conversations to share: every rank computes the whole batch
-            share = Share()
-        mine = split(seqs, share.world, shared_prefixes(seqs))[share.rank]
+        shares = split(seqs, share.world, shared_prefixes(seqs))
+        if not all(shares):      # too few to share (a group stays whole): every rank computes the whole batch
+            share, shares = Share(), [seqs]
+        mine = shares[share.rank]
         with distilling() as indexer, balancing() as loads:
             ce = loss_of(self.model, mine, len(seqs))
         kl = indexer.loss(share)

@@ -50,6 +50,7 @@ def test_a_batch_with_shared_openings_is_its_conversations_prefilled_alone(tiny_
     every, every_hidden = prefill(model, seqs)
     alone = [prefill(model, [s]) for s in seqs]
     assert torch.equal(every.index_select(0, rows), logits)
+    assert prefill(model, seqs, rows[:0])[0].shape == (0, model.cfg.vocab_size)
     assert (every - torch.cat([a for a, _ in alone])).abs().max() <= 1e-5
     assert (every_hidden - torch.cat([h for _, h in alone])).abs().max() <= 1e-5
 
@@ -82,6 +83,9 @@ def test_a_group_of_shared_openings_goes_to_one_rank_counted_once():
     groups = shared_prefixes(seqs)
     assert groups and max(len(members) for _, members in groups) >= 2, [s.task for s in seqs]
     shares = data_parallel.split(seqs, 2, groups)
+    n, members = groups[0]
+    alone = data_parallel.split([seqs[m] for m in members], 2, [(n, list(range(len(members))))])
+    assert [len(share) for share in alone] == [len(members), 0]       # a step then runs whole on every rank
     assert sorted(id(s) for share in shares for s in share) == sorted(id(s) for s in seqs)
     for n, members in groups:
         assert sum(all(seqs[m] in share for m in members) for share in shares) == 1
