@@ -18,11 +18,11 @@ import torch
 from lib.guard.capability import allow
 from lib.records.addressing import Addressing, EntryWrites, GroupTable, PagedSites, StepShape, with_step_rows
 from lib.records.batch import Batch, positions_of
-from lib.records.decode_state import CompressorPools, LayerPools
+from lib.records.decode_state import LayerPools
 from lib.runtime.block_allocator import BlockAllocator
 from lib.runtime.engram_ids import Tail, as_tensor, step_ids
 from lib.runtime.hostmem import mapped_zeros
-from lib.runtime.state_pools import entry_ratios, group_blocks, pool_shapes
+from lib.runtime.state_pools import backbone_pools, entry_ratios, group_blocks, pool_shapes
 
 
 class CacheFull(RuntimeError):
@@ -68,7 +68,7 @@ class PagedCache:
         tensors = {(s.owner, s.item): mapped_zeros(s.shape, s.dtype, device) for s in self.shapes}
         self._pools = [(s, tensors[(s.owner, s.item)]) for s in self.shapes]
         self._layer_infos = tuple(model.layers)
-        self.layers = _backbone_pools(tensors, model.layers, sites)
+        self.layers = backbone_pools(tensors, model.layers, sites)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
                            for layer in (model.stages if rings else ()))
         # the ring sizes a step's rows are built for (lib/records/addressing.py with_step_rows): every
@@ -388,25 +388,3 @@ def _rows_of(seq_lens) -> torch.Tensor:
 def _ring_read(pool: torch.Tensor, slot: int, lo: int, hi: int) -> torch.Tensor:
     """Rows of positions [lo, hi) of one slot of a ring pool [slots, R, C]."""
     return pool[slot].index_select(0, torch.arange(lo, hi) % pool.shape[1])
-
-
-def _layer_pools(tensors: dict, owner: str, ratio: int) -> LayerPools:
-    def compressor(prefix: str) -> CompressorPools | None:
-        if (owner, f"{prefix}.entries") not in tensors:
-            return None
-        return CompressorPools(tensors.get((owner, f"{prefix}.state")), tensors[(owner, f"{prefix}.entries")], ratio)
-    return LayerPools(tensors.get((owner, "window")), compressor("comp"), compressor("index"))
-
-
-def _backbone_pools(tensors: dict, layers, sites: PagedSites) -> tuple[LayerPools, ...]:
-    """Every backbone layer's pools; a compressed layer that makes no KV of its own (V4.1, after a KV source) reads
-    the latest source's compressor and key pools (sites.reused_pools: lib/records/addressing.py)."""
-    out, source = [], None
-    for layer in layers:
-        pools = _layer_pools(tensors, f"layer{layer.index}", layer.ratio)
-        if layer.kv_source:
-            source = pools
-        elif layer.ratio and source is not None:
-            pools = sites.reused_pools(source, pools)
-        out.append(pools)
-    return tuple(out)

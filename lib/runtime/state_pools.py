@@ -3,7 +3,8 @@
 One function turns the declaration (the generated package's `STATE`, lib/records/decode_state.py)
 and a deployment (schedule, dtype, block geometry, `max_seqs`, `num_blocks`, `slack`) into every
 pool's shape and dtype. lib/runtime/paged_cache.py allocates exactly these; `dsv4gen plan` sums
-their bytes (lib/planner/cache_layout.py), so the planner and the engine cannot disagree.
+their bytes (lib/planner/cache_layout.py), so the planner and the engine cannot disagree; and
+`backbone_pools` hands each layer's allocated tensors to the forward as its LayerPools.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from lib.records.decode_state import items_for
+from lib.records.addressing import PagedSites
+from lib.records.decode_state import CompressorPools, LayerPools, items_for
 
 
 class PoolShape(NamedTuple):
@@ -65,3 +67,25 @@ def pool_shapes(state, cfg, layers, stages, *, compute_dtype: torch.dtype, block
 
 def entry_ratios(shapes: list[PoolShape]) -> list[int]:
     return sorted({s.ratio for s in shapes if s.lifetime == "entry"})
+
+
+def _layer_pools(tensors: dict, owner: str, ratio: int) -> LayerPools:
+    def compressor(prefix: str) -> CompressorPools | None:
+        if (owner, f"{prefix}.entries") not in tensors:
+            return None
+        return CompressorPools(tensors.get((owner, f"{prefix}.state")), tensors[(owner, f"{prefix}.entries")], ratio)
+    return LayerPools(tensors.get((owner, "window")), compressor("comp"), compressor("index"))
+
+
+def backbone_pools(tensors: dict, layers, sites: PagedSites) -> tuple[LayerPools, ...]:
+    """Every backbone layer's pools; a compressed layer that makes no KV of its own (V4.1, after a KV source) reads
+    the latest source's compressor and key pools (sites.reused_pools: lib/records/addressing.py)."""
+    out, source = [], None
+    for layer in layers:
+        pools = _layer_pools(tensors, f"layer{layer.index}", layer.ratio)
+        if layer.kv_source:
+            source = pools
+        elif layer.ratio and source is not None:
+            pools = sites.reused_pools(source, pools)
+        out.append(pools)
+    return tuple(out)
