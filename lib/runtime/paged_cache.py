@@ -142,18 +142,23 @@ class PagedCache:
         if d.written:
             raise ValueError(f"cannot fork {src!r} into {dst!r}: {dst!r} already has {d.written} positions written")
         self.ensure(dst, s.length)
+        rows: dict[int, list[torch.Tensor]] = {}
         for spec, pool in self._pools:
             if spec.lifetime == "sequence":
                 spare = pool.shape[0] - (self.max_seqs + 1)     # the unused slot 0 some rings keep (spec/state.yaml)
                 pool[d.slot + spare] = pool[s.slot + spare]
                 continue
-            ids = torch.arange(s.length // spec.ratio, dtype=torch.int64)
-            rows = [self.sites.physical_slots(torch.tensor([seq.tables[spec.ratio]], dtype=torch.int32),
-                                              torch.zeros_like(ids), ids, self.block_tokens,
-                                              self.logical_block_tokens).to(pool.device) for seq in (s, d)]
-            pool.index_copy_(0, rows[1], pool.index_select(0, rows[0]))
+            if spec.ratio not in rows:          # every pool of a ratio shares its block table
+                rows[spec.ratio] = [self._entry_rows(seq, spec.ratio, s.length).to(pool.device) for seq in (s, d)]
+            pool.index_copy_(0, rows[spec.ratio][1], pool.index_select(0, rows[spec.ratio][0]))
         d.length = d.written = s.length
         d.engram = s.engram
+
+    def _entry_rows(self, seq: _Seq, ratio: int, length: int) -> torch.Tensor:
+        """Pool rows [length // ratio] of the sequence's complete entries of that ratio."""
+        ids = torch.arange(length // ratio, dtype=torch.int64)
+        table = torch.tensor([seq.tables[ratio]], dtype=torch.int32)
+        return self.sites.physical_slots(table, torch.zeros_like(ids), ids, self.block_tokens, self.logical_block_tokens)
 
     def set_length(self, seq_id, length: int) -> None:
         """Commit (or rewind to) `length` positions. Rings hold `slack` rows beyond what the
@@ -318,11 +323,7 @@ class PagedCache:
                 if comp.state is not None:
                     out[f"{owner}.{name}.kv"] = _ring_read(comp.kv, seq.slot, lo, length)
                     out[f"{owner}.{name}.gate"] = _ring_read(comp.gate, seq.slot, lo, length)
-                ids = torch.arange(length // ratio, dtype=torch.int64)
-                table = torch.tensor([seq.tables[ratio]], dtype=torch.int32)
-                rows = self.sites.physical_slots(table, torch.zeros_like(ids), ids, self.block_tokens,
-                                                 self.logical_block_tokens)
-                out[f"{owner}.{name}.entries"] = comp.entries[rows]
+                out[f"{owner}.{name}.entries"] = comp.entries[self._entry_rows(seq, ratio, length)]
         return out
 
     def _owners(self):

@@ -155,13 +155,14 @@ def _forward(model, store: PagedCache, seq_ids: list, chunks: list[list[int]], l
              starts: list[int] | None = None):
     """One reference forward of `chunks` continuing `seq_ids` at `starts` (default 0), each committed after it:
     (logits of logit_rows, or of every row, main_hidden)."""
-    for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
-        store.ensure(seq_id, start + len(chunk))
+    ends = [start + len(chunk) for chunk, start in zip(chunks, starts or [0] * len(chunks))]
+    for seq_id, end in zip(seq_ids, ends):
+        store.ensure(seq_id, end)
     rows = None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64)
     batch = store.address(make_batch(chunks, starts)._replace(logit_rows=rows), seq_ids, None)
     logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
-    for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
-        store.set_length(seq_id, start + len(chunk))
+    for seq_id, end in zip(seq_ids, ends):
+        store.set_length(seq_id, end)
     return logits, hidden
 
 
