@@ -6,8 +6,8 @@ values; the fact table (lib/evaluation/names.py) is fixed and held out by phrasi
 values from each split's own stream. Every example is a list of OpenAI-style messages (plus tools) and the assistant
 message that answers it, so it is written in the V4 chat encoding by the same encoder the server uses.
 
-- arithmetic: "What is 17+25?" -> "17+25: 7+5=12, 1+2+1=4, so 42" (the question, the digit steps, then the result;
-              sums and differences of numbers below 100, products below 13 x 13)
+- arithmetic: "What is 17+25?" -> "17+25: 7+5=12, 1+2+1=4, so 17+25=42" (the question, the digit steps, then the
+              question and its result; sums and differences of numbers below 100, products below 13 x 13)
 - counting:   how often a letter occurs in a made-up string -> "3"
 - copying:    "Repeat exactly: ..." -> the same words
 - facts:      the capital, language or national animal of a made-up country -> its value in the table
@@ -55,33 +55,35 @@ ARITHMETIC = ("What is {a}{op}{b}?", "Compute {a} {op} {b}.", "{a}{op}{b}=?", "C
 
 
 def worked(a: int, op: str, b: int) -> str:
-    """The reply to a{op}b: the question restated, its digit steps, then the result ("17+25: 7+5=12, 1+2+1=4, so 42").
+    """The reply to a{op}b: the question, its digit steps, then the question and its result
+    ("17+25: 7+5=12, 1+2+1=4, so 17+25=42").
 
     Each step is a lookup a small model can learn from other questions, so a held-out question is answered from
     steps seen in training rather than from a memorised result: a sum adds the units, then the tens with the carry; a
     difference takes the smaller number from the larger (units with the borrow, then tens less it) and signs the
     result; a product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12
-    into ten and the rest. The question is restated first, where it is a copy of the tokens just before: restated
-    after the steps, a product's operands sat more than one 32-token sliding window back and were misread.
+    into ten and the rest. The question is restated first, where it is a copy of the tokens just before, and the
+    closing restatement copies that one: copied from the user's turn past the steps, a product's operands sat more
+    than one 32-token sliding window back and were misread.
     """
     head = f"{a}{op}{b}: "
     if op == "+":
         units = a % 10 + b % 10
         tens = a // 10 + b // 10 + units // 10
-        return f"{head}{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a + b}"
+        return f"{head}{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a}+{b}={a + b}"
     if op == "-":
         big, small = max(a, b), min(a, b)
         borrow = int(big % 10 < small % 10)
         units = f"{'1' if borrow else ''}{big % 10}-{small % 10}={big % 10 + 10 * borrow - small % 10}"
         tens = f"{big // 10}-{small // 10}-{borrow}={big // 10 - small // 10 - borrow}"
-        return f"{head}{units}, {tens}, so {a - b}"
+        return f"{head}{units}, {tens}, so {a}-{b}={a - b}"
     if op != "*":
         raise ValueError(f"arithmetic: unknown operator {op!r} (one of + - *)")
     small, big = min(a, b), max(a, b)
     if big < 10:
-        return f"{head}{small}*{big}={a * b}, so {a * b}"
+        return f"{head}{small}*{big}={a * b}, so {a}*{b}={a * b}"
     rest = small * (big - 10)
-    return f"{head}{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a * b}"
+    return f"{head}{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a}*{b}={a * b}"
 
 
 def _arithmetic_split(split: str, a: int, op: str, b: int) -> bool:

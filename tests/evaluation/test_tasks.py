@@ -46,7 +46,7 @@ def test_the_answers_are_the_questions_answers():
     for a, op, b in questions + [(a, "*", b) for a in range(13) for b in range(13)]:    # every question there is
         question, rest = worked(a, op, b).split(": ")
         steps, result = rest.split(", so ")
-        assert question == f"{a}{op}{b}" and result == str(_calc(a, op, b))
+        assert question == f"{a}{op}{b}" and result == f"{a}{op}{b}={_calc(a, op, b)}"
         for step in steps.split(", "):     # every worked step is itself true
             left, right = step.split("=")
             terms = re.fullmatch(r"(\d+)([-+*])(\d+)(?:([-+])(\d+))?", left).groups()
@@ -92,8 +92,8 @@ def test_the_retrieved_record_sits_at_least_the_gap_before_the_question():
 def test_scoring_refuses_near_misses():
     ex = examples("arithmetic", "heldout", 1)[0]
     value = ex.reply["content"]
-    steps, result = value.rsplit(" ", 1)
-    assert is_correct(ex, f" {value}\n") and not is_correct(ex, f"{steps} {int(result) + 1}")
+    steps, result = value.rsplit("=", 1)
+    assert is_correct(ex, f" {value}\n") and not is_correct(ex, f"{steps}={int(result) + 1}")
     assert not is_correct(ex, f"{value}.") and not is_correct(ex, result)      # the bare result skips the steps
     call = examples("tool_call", "heldout", 1)[0]
     good = reply_text(call)[: -len(EOS)]
