@@ -61,12 +61,11 @@ def worked(a: int, op: str, b: int) -> str:
     Each step is a lookup a small model can learn from other questions, so a held-out question is answered from
     steps seen in training rather than from a memorised result: a sum adds the units, then the tens with the carry; a
     difference first writes which number is larger ("47-68: 68>47, ..."), takes the smaller from it (units with the
-    borrow, then tens less it) and signs the result (deciding order, borrow and sign in one token each was where a
-    small model slipped); a product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12
-    into ten and the rest. The question is restated first, where it is a copy of the tokens just before, and the
-    closing restatement can copy that one: from the user's turn past the steps, a product's operands sat more than
-    one 32-token sliding window back and were misread (from the reply's start, a sum's or difference's always sit
-    within it, a product's in about 6 cases of 10).
+    borrow, then tens less it) and signs the result; a product names the smaller factor first (7*8 and 8*7 share
+    their step) and splits a factor of 10-12 into ten and the rest. The question is restated first, where it is a
+    copy of the tokens just before, and the closing restatement can copy that one: from the user's turn past the
+    steps, a product's operands sat more than one 32-token sliding window back and were misread (from the reply's
+    start, a sum's always sit within it, a difference's in about 2 cases of 10, a product's in about 6 of 10).
     """
     head = f"{a}{op}{b}: "
     if op == "+":
