@@ -47,8 +47,8 @@ def test_the_answers_are_the_questions_answers():
         question, rest = worked(a, op, b).split(": ")
         steps, result = rest.split(", so ")
         assert question == f"{a}{op}{b}" and result == f"{a}{op}{b}={_calc(a, op, b)}"
-        for step in steps.split(", "):     # every worked step is itself true
-            if op == "-" and step == steps.split(", ")[0]:      # a difference first orders its operands
+        for i, step in enumerate(steps.split(", ")):     # every worked step is itself true
+            if op == "-" and i == 0:                          # a difference first orders its operands
                 assert step == (f"{max(a, b)}>{min(a, b)}" if a != b else f"{a}={b}"), step
                 continue
             left, right = step.split("=")
