@@ -61,10 +61,11 @@ def worked(a: int, op: str, b: int) -> str:
     Each step is a lookup a small model can learn from other questions, so a held-out question is answered from
     steps seen in training rather than from a memorised result: a sum adds the units, then the tens with the carry; a
     difference first writes which number is larger ("47-68: 68>47, ..."), takes the smaller from it (units with the
-    borrow, then tens less it) and signs the result; a product names the smaller factor first (7*8 and 8*7 share
-    their step) and splits a factor of 10-12 into ten and the rest. The question is restated first, where it is a
-    copy of the tokens just before, and the closing restatement can copy that one: from the user's turn past the
-    steps, a product's operands sat more than one 32-token sliding window back and were misread (from the reply's
+    borrow, then tens less it) and copies the order again just before its result ("..., 68>47 so 47-68=-21"), so
+    that the sign is read from tokens a few places back rather than from the order step at the window's edge; a
+    product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12 into ten and
+    the rest. The question is restated first, where it is a copy of the tokens just before, and the closing
+    restatement can copy that one: from the user's turn past the steps, a product's operands sat more than one 32-token sliding window back and were misread (from the reply's
     start, a sum's always sit within it, a difference's in about 2 cases of 10, a product's in about 6 of 10).
     """
     head = f"{a}{op}{b}: "
@@ -78,7 +79,7 @@ def worked(a: int, op: str, b: int) -> str:
         units = f"{'1' if borrow else ''}{big % 10}-{small % 10}={big % 10 + 10 * borrow - small % 10}"
         tens = f"{big // 10}-{small // 10}-{borrow}={big // 10 - small // 10 - borrow}"
         order = f"{big}>{small}" if big != small else f"{a}={b}"
-        return f"{head}{order}, {units}, {tens}, so {a}-{b}={a - b}"
+        return f"{head}{order}, {units}, {tens}, {order} so {a}-{b}={a - b}"
     if op != "*":
         raise ValueError(f"arithmetic: unknown operator {op!r} (one of + - *)")
     small, big = min(a, b), max(a, b)

@@ -45,8 +45,11 @@ def test_the_answers_are_the_questions_answers():
     questions = [(a, op, b) for op in "+-" for a in range(100) for b in range(100)]
     for a, op, b in questions + [(a, "*", b) for a in range(13) for b in range(13)]:    # every question there is
         question, rest = worked(a, op, b).split(": ")
-        steps, result = rest.split(", so ")
+        steps, result = rest.split(", so ") if op != "-" else rest.rsplit(" so ", 1)
         assert question == f"{a}{op}{b}" and result == f"{a}{op}{b}={_calc(a, op, b)}"
+        if op == "-":                                     # the order again, just before the signed result
+            steps, again = steps.rsplit(", ", 1)
+            assert again == steps.split(", ")[0], (a, b)
         for i, step in enumerate(steps.split(", ")):     # every worked step is itself true
             if op == "-" and i == 0:                          # a difference first orders its operands
                 assert step == (f"{max(a, b)}>{min(a, b)}" if a != b else f"{a}={b}"), step
