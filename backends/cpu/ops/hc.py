@@ -29,16 +29,14 @@ def _sinkhorn_dims(iters: int) -> list[int]:
     return [-2] + [-1, -2] * (iters - 1)
 
 
-def _sinkhorn_steps(c0: torch.Tensor, iters: int, eps: float):
-    """softmax(c0) and every normalisation's output and denominator, in order."""
-    probs = torch.softmax(c0, dim=-1)
-    c, outs, dens = probs + eps, [], []
+def _normalisations(probs: torch.Tensor, iters: int, eps: float):
+    """Yields (output, denominator) of each of Sinkhorn's normalisations of softmax probabilities, in order: a caller
+    without gradients keeps only the last output, the autograd Function every one."""
+    c = probs + eps
     for dim in _sinkhorn_dims(iters):
         den = c.sum(dim=dim, keepdim=True) + eps
         c = c / den
-        outs.append(c)
-        dens.append(den)
-    return probs, outs, dens
+        yield c, den
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -48,7 +46,8 @@ class _Sinkhorn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        probs, outs, dens = _sinkhorn_steps(c0, iters, eps)
+        probs = torch.softmax(c0, dim=-1)
+        outs, dens = zip(*_normalisations(probs, iters, eps))
         ctx.iters = iters
         ctx.save_for_backward(probs, *outs, *dens)
         return outs[-1]
@@ -67,7 +66,10 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[T, n, n] logits -> near doubly-stochastic matrix (§3.3 step 8; `iters` counts the first pass)."""
     if c0.requires_grad and torch.is_grad_enabled():          # training: the hand-written backward
         return _Sinkhorn.apply(c0, iters, eps)
-    return _sinkhorn_steps(c0, iters, eps)[1][-1]
+    c = None
+    for c, _ in _normalisations(torch.softmax(c0, dim=-1), iters, eps):
+        pass
+    return c
 
 
 def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
