@@ -24,7 +24,7 @@ from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tin
 # share of each task in the training stream, by conversation (tool calls and retrieval are long; arithmetic needs
 # the most examples; retrieval reads its code back through compressed attention alone, at every gap, and gets the
 # digits' order wrong when it has seen too few)
-MIX = {"arithmetic": 0.48, "counting": 0.03, "copying": 0.12, "facts": 0.11, "retrieval": 0.14, "tool_call": 0.12}
+MIX = {"arithmetic": 0.53, "counting": 0.03, "copying": 0.10, "facts": 0.10, "retrieval": 0.12, "tool_call": 0.12}
 # share of the arithmetic drawn from the cases a uniform draw rarely gives (tasks.arithmetic_edges)
 ARITHMETIC_EDGES = 0.3
 # The first OPENING_BATCHES batches draw only these short tasks, so each batch holds many of them. Copying is what makes

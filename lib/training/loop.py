@@ -40,7 +40,7 @@ TRAINING_DTYPE = torch.float32
 
 class TrainConfig(NamedTuple):
     seed: int = 0
-    steps: int = 2450
+    steps: int = 2400
     drafter_steps: int = 300        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
     lr: float = 2e-3
