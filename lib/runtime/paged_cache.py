@@ -66,6 +66,7 @@ class PagedCache:
         self._seqs: dict[object, _Seq] = {}
         self.device = device
         tensors = {(s.owner, s.item): mapped_zeros(s.shape, s.dtype, device) for s in self.shapes}
+        self._pools = [(s, tensors[(s.owner, s.item)]) for s in self.shapes]
         self._layer_infos = tuple(model.layers)
         self.layers = _backbone_pools(tensors, model.layers, sites)
         self.rings = tuple(LayerPools(tensors[(f"stage{layer.stage}", "window")], None, None)
@@ -131,6 +132,28 @@ class PagedCache:
         for m, n in need.items():
             for block in self._alloc[m].take(n):
                 seq.tables[m] += list(range(block * self.factor, (block + 1) * self.factor))
+
+    def fork(self, src, dst) -> None:
+        """Sequence `dst` (added, nothing written) continues from `src`'s committed positions: every ring row of
+        src's slot and every complete entry is copied into dst's own (no block is shared, so each writes only its
+        own from there on). The copies are tensor ops, so gradients reach src's rows through them (training's
+        shared prompt prefixes: lib/training/target.py)."""
+        s, d = self._seq(src), self._seq(dst)
+        if d.written:
+            raise ValueError(f"cannot fork {src!r} into {dst!r}: {dst!r} already has {d.written} positions written")
+        self.ensure(dst, s.length)
+        for spec, pool in self._pools:
+            if spec.lifetime == "sequence":
+                spare = pool.shape[0] - (self.max_seqs + 1)     # the unused slot 0 some rings keep (spec/state.yaml)
+                pool[d.slot + spare] = pool[s.slot + spare]
+                continue
+            ids = torch.arange(s.length // spec.ratio, dtype=torch.int64)
+            rows = [self.sites.physical_slots(torch.tensor([seq.tables[spec.ratio]], dtype=torch.int32),
+                                              torch.zeros_like(ids), ids, self.block_tokens,
+                                              self.logical_block_tokens).to(pool.device) for seq in (s, d)]
+            pool.index_copy_(0, rows[1], pool.index_select(0, rows[0]))
+        d.length = d.written = s.length
+        d.engram = s.engram
 
     def set_length(self, seq_id, length: int) -> None:
         """Commit (or rewind to) `length` positions. Rings hold `slack` rows beyond what the

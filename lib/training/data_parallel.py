@@ -26,15 +26,21 @@ from lib.distributed import process_group
 PER_SEQUENCE = 32
 
 
-def split(seqs: list, world: int) -> list[list]:
+def split(seqs: list, world: int, groups: list[tuple[int, list[int]]] = ()) -> list[list]:
     """`seqs` in `world` shares of about equal cost (tokens + PER_SEQUENCE each; the costliest first onto the
     cheapest share), each share in the batch's order; empty shares only when there are fewer conversations
-    than ranks."""
+    than ranks. `groups`: (tokens shared, members) of conversations whose openings are computed once when they
+    share a rank (lib/training/target.py shared_prefixes): each group goes to one rank, its opening counted once."""
+    units = [(n + sum(len(seqs[m].ids) - n + PER_SEQUENCE for m in members), members) for n, members in groups]
+    grouped = {m for _, members in groups for m in members}
+    units += [(len(s.ids) + PER_SEQUENCE, [i]) for i, s in enumerate(seqs) if i not in grouped]
+    if len(units) < world <= len(seqs):          # every rank gets a conversation while there are enough
+        units = [(len(s.ids) + PER_SEQUENCE, [i]) for i, s in enumerate(seqs)]
     loads, owner = [0] * world, {}
-    for i in sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].ids), i)):
+    for cost, members in sorted(units, key=lambda u: (-u[0], u[1][0])):
         rank = min(range(world), key=lambda r: (loads[r], r))
-        owner[i] = rank
-        loads[rank] += len(seqs[i].ids) + PER_SEQUENCE
+        owner.update(dict.fromkeys(members, rank))
+        loads[rank] += cost
     return [[s for i, s in enumerate(seqs) if owner[i] == rank] for rank in range(world)]
 
 

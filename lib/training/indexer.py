@@ -25,12 +25,14 @@ from lib.training.data_parallel import Share
 
 
 class Distillation:
-    """The KL terms of one forward's CSA layers."""
+    """The KL terms of a batch's CSA layers, summed over the forwards that compute the batch (a training step runs a
+    second one when conversations share a prompt opening: lib/training/target.py prefill)."""
 
     def __init__(self):
         self.pending: list[tuple[torch.Tensor, int]] = []     # (indexer scores [T, E], ratio) awaiting their attention
         self.sums: list[torch.Tensor] = []       # per CSA layer: the KL summed over the queries that see an entry
         self.rows: list[int] = []                # and how many queries those are
+        self._forward, self._layer = None, 0     # the Addressing of the forward running, and its CSA layers so far
 
     def loss(self, share: Share = Share()) -> torch.Tensor | None:
         """The mean over CSA layers of each layer's mean KL per query. `share` (lib/training/data_parallel.py):
@@ -52,16 +54,23 @@ class Distillation:
         p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)                              # [T, E]
         return p / p.sum(dim=-1, keepdim=True).clamp_min(1e-30)
 
-    def add(self, scores: torch.Tensor, target: torch.Tensor) -> None:
-        rows = torch.isfinite(scores).any(dim=-1)               # queries that see at least one entry
-        self.rows.append(int(rows.sum()))
-        if not self.rows[-1]:           # recorded all the same: data-parallel ranks reduce one count per layer
+    def add(self, scores: torch.Tensor, target: torch.Tensor, forward) -> None:
+        """One CSA layer's terms; `forward`: the Addressing of the forward it belongs to (each forward meets the
+        CSA layers in the same order, so the i-th layer of every forward adds to the same sum)."""
+        if forward is not self._forward:
+            self._forward, self._layer = forward, 0
+        layer, self._layer = self._layer, self._layer + 1
+        if layer == len(self.sums):     # recorded even without queries: data-parallel ranks reduce one count per layer
             self.sums.append(scores.new_zeros(()))
+            self.rows.append(0)
+        rows = torch.isfinite(scores).any(dim=-1)               # queries that see at least one entry
+        self.rows[layer] += int(rows.sum())
+        if not rows.any():
             return
         log_q = torch.log_softmax(scores[rows], dim=-1)
         p = target[rows]
         kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(dim=-1)
-        self.sums.append(kl.sum())
+        self.sums[layer] = self.sums[layer] + kl.sum()
 
 
 @contextlib.contextmanager
@@ -82,7 +91,7 @@ def distilling():
             scores, scored_ratio = record.pending.pop()
             if scored_ratio != ratio:
                 raise AssertionError(f"indexer scores of ratio {scored_ratio} met an attention of ratio {ratio}")
-            record.add(scores, record.target(q, batch, entries, ratio))
+            record.add(scores, record.target(q, batch, entries, ratio), batch.state)
         return attend(q, kv, batch, windows, entries, selection, sink, window=window, ratio=ratio)
 
     reference_attention.index_select, reference_attention.sparse_attention = index_select, sparse_attention

@@ -28,6 +28,9 @@ from lib.training.indexer import distilling
 from lib.training.routing import balancing
 
 INDEXER_WEIGHT = 0.1     # the indexer's KL beside the reply cross-entropy (it reaches the shared q path too)
+# A prompt opening shared by this many tokens or more is computed once per batch (prefill): the tools block every
+# tool call opens with is ~500 tokens, the common opening of other prompts a few.
+MIN_SHARED = 64
 
 
 class Schedule(NamedTuple):
@@ -68,18 +71,88 @@ def reply_rows(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)
 
 
+def shared_prefixes(seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
+    """Conversations whose prompts open with the same tokens (every tool call opens with the same tools block): for
+    each group of two or more that share at least MIN_SHARED tokens, (the tokens they share, stopped a token before
+    the earliest reply, so every row that predicts a reply token is a member's own; the members' indices)."""
+    by_opening: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        if s.reply_start - 1 >= MIN_SHARED:
+            by_opening.setdefault(tuple(s.ids[:MIN_SHARED]), []).append(i)
+    groups = []
+    for members in by_opening.values():
+        if len(members) < 2:
+            continue
+        first, n = seqs[members[0]].ids, min(seqs[m].reply_start for m in members) - 1
+        for m in members[1:]:
+            n = next((k for k in range(MIN_SHARED, n) if seqs[m].ids[k] != first[k]), n)
+        groups.append((n, members))
+    return groups
+
+
 def prefill(model, seqs: list[Sequence], logit_rows: torch.Tensor | None = None):
     """The reference forward over whole conversations prefilled together from position 0 in a fresh paged cache (as
     the runtime prefills a batch of prompts; outside inference_mode, so gradients flow): (logits of `logit_rows`
-    or of every row, main_hidden)."""
-    store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs])
-    ids = list(range(len(seqs)))
-    for i, s in zip(ids, seqs):
+    or of every row, main_hidden), rows numbered as the conversations' tokens laid end to end.
+
+    A prompt opening that several conversations share (shared_prefixes) is computed once: a first forward prefills
+    each such opening as a sequence of its own, the cache forks it into every member (PagedCache.fork: copies, so
+    gradients pass back through them), and a second forward continues the members from there beside the other
+    conversations from position 0. The values are those of one forward, as chunked prefill's are; a shared row's
+    gradient is the sum of what each member's own copy of it would get."""
+    groups = shared_prefixes(seqs)
+    starts = [0] * len(seqs)
+    for n, members in groups:
+        for m in members:
+            starts[m] = n
+    store = PagedCache.for_lengths(model, [len(s.ids) for s in seqs] + [n for n, _ in groups])
+    openings = [("opening", g) for g in range(len(groups))]
+    # every full-batch row's (forward, row in that forward): the openings' forward is 0, the rest's 1
+    where, first, rest = [], [0], 0
+    for n, _ in groups:
+        first.append(first[-1] + n)
+    group_of = {m: g for g, (_, members) in enumerate(groups) for m in members}
+    for i, s in enumerate(seqs):
+        g = group_of.get(i)
+        where += [(0, first[g] + t) if t < starts[i] else (1, rest + t - starts[i]) for t in range(len(s.ids))]
+        rest += len(s.ids) - starts[i]
+    wanted = None if logit_rows is None else [where[r] for r in logit_rows.tolist()]
+    outs = []
+    if groups:
+        for h, (n, _) in zip(openings, groups):
+            store.add(h)
+        outs.append(_forward(model, store, openings, [seqs[members[0]].ids[:n] for n, members in groups],
+                             None if wanted is None else sorted({j for k, j in wanted if k == 0})))
+    for i in range(len(seqs)):
         store.add(i)
-        store.ensure(i, len(s.ids))
-    batch = store.address(make_batch([s.ids for s in seqs])._replace(logit_rows=logit_rows), ids, None)
-    logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    for h, (_, members) in zip(openings, groups):
+        for m in members:
+            store.fork(h, m)
+    outs.append(_forward(model, store, list(range(len(seqs))), [s.ids[a:] for s, a in zip(seqs, starts)],
+                         None if wanted is None else sorted({j for k, j in wanted if k == 1}), starts))
+    if not groups:
+        return outs[0][0], outs[0][1]
+    (l0, h0, r0), (l1, h1, r1) = outs
+    at = {(0, j): x for x, j in enumerate(range(first[-1]) if r0 is None else r0)}
+    at.update({(1, j): len(at) + x for x, j in enumerate(range(rest) if r1 is None else r1)})
+    logits = torch.cat((l0, l1)).index_select(0, torch.tensor([at[w] for w in (wanted or where)]))
+    hidden = None if h1 is None else torch.cat((h0, h1)).index_select(
+        0, torch.tensor([j if k == 0 else first[-1] + j for k, j in where]))
     return logits, hidden
+
+
+def _forward(model, store: PagedCache, seq_ids: list, chunks: list[list[int]], logit_rows: list[int] | None,
+             starts: list[int] | None = None):
+    """One reference forward of `chunks` continuing `seq_ids` at `starts` (default 0), each committed after it:
+    (logits of logit_rows, or of every row, main_hidden, logit_rows)."""
+    for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
+        store.ensure(seq_id, start + len(chunk))
+    rows = None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64)
+    batch = store.address(make_batch(chunks, starts)._replace(logit_rows=rows), seq_ids, None)
+    logits, _, hidden = model.forward(model.params, batch, store.layers, model.cfg, model.rope)
+    for seq_id, chunk, start in zip(seq_ids, chunks, starts or [0] * len(chunks)):
+        store.set_length(seq_id, start + len(chunk))
+    return logits, hidden, logit_rows
 
 
 def loss_of(model, seqs: list[Sequence], replies: int | None = None) -> torch.Tensor:
@@ -113,7 +186,7 @@ class TargetTrainer:
             group["lr"] = self.schedule.lr_at(self.step_count)
         if len(seqs) < share.world:      # too few conversations to share: every rank computes the whole batch
             share = Share()
-        mine = split(seqs, share.world)[share.rank]
+        mine = split(seqs, share.world, shared_prefixes(seqs))[share.rank]
         with distilling() as indexer, balancing() as loads:
             ce = loss_of(self.model, mine, len(seqs))
         kl = indexer.loss(share)

@@ -201,6 +201,31 @@ def test_interleaved_sequences_equal_their_solo_runs_and_free_returns_blocks(mod
     assert all(used == 0 for used, _ in store.usage().values())
 
 
+@pytest.mark.parametrize("backend", ["cpu", "ascend310p"])
+def test_a_forked_sequence_continues_as_its_source_does(models, backend):
+    """fork: the copy reads back every row its source reads (rings, the compressors' unfinished windows, entries of
+    both ratios), in blocks of its own; both continue exactly alike, as one whole prefill does, and writing the
+    copy leaves the source's rows as they were."""
+    model = models[backend]
+    ids = prompt_ids(70, model.cfg.vocab_size, seed=12)
+    store = _store(model, seqs=("pad", "a", "b"))
+    store.ensure("pad", 20)                      # a's blocks are not block 0 of either group
+    paged_step(model, make_batch([ids[:45]]), store, ["a"])
+    source = store.live_rows("a")
+    store.fork("a", "b")
+    assert store.length("b") == 45
+    for name, rows in store.live_rows("b").items():
+        assert torch.equal(rows, source[name]), name
+    assert not set(store._seq("a").tables[4]) & set(store._seq("b").tables[4])
+    got_b = _last(model, store, "b", ids[45:])
+    assert all(torch.equal(rows, source[name]) for name, rows in store.live_rows("a").items())
+    got_a = _last(model, store, "a", ids[45:])
+    assert torch.equal(got_a, got_b)
+    assert (got_a - _last_of_prefill(model, ids)).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="already has 70 positions written"):
+        store.fork("b", "a")
+
+
 def test_cache_full_names_the_shortfall_and_allocates_nothing(tiny_ckpt):
     model = load_model(tiny_ckpt, "cpu")
     store = PagedCache(model, 8, max_seqs=2)
