@@ -6,8 +6,8 @@ values; the fact table (lib/evaluation/names.py) is fixed and held out by phrasi
 values from each split's own stream. Every example is a list of OpenAI-style messages (plus tools) and the assistant
 message that answers it, so it is written in the V4 chat encoding by the same encoder the server uses.
 
-- arithmetic: "What is 17+25?" -> "7+5=12, 1+2+1=4, so 17+25=42" (the digit steps, then the result; sums and
-              differences of numbers below 100, products below 13 x 13)
+- arithmetic: "What is 17+25?" -> "17+25: 7+5=12, 1+2+1=4, so 17+25=42" (the question, the digit steps, then the
+              question and its result; sums and differences of numbers below 100, products below 13 x 13)
 - counting:   how often a letter occurs in a made-up string -> "3"
 - copying:    "Repeat exactly: ..." -> the same words
 - facts:      the capital, language or national animal of a made-up country -> its value in the table
@@ -55,41 +55,78 @@ ARITHMETIC = ("What is {a}{op}{b}?", "Compute {a} {op} {b}.", "{a}{op}{b}=?", "C
 
 
 def worked(a: int, op: str, b: int) -> str:
-    """The reply to a{op}b: its digit steps, then the result ("7+5=12, 1+2+1=4, so 17+25=42").
+    """The reply to a{op}b: the question, its digit steps, then the question and its result
+    ("17+25: 7+5=12, 1+2+1=4, so 17+25=42").
 
     Each step is a lookup a small model can learn from other questions, so a held-out question is answered from
     steps seen in training rather than from a memorised result: a sum adds the units, then the tens with the carry; a
-    difference takes the smaller number from the larger (units with the borrow, then tens less it) and signs the
-    result; a product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12
-    into ten and the rest.
+    difference first writes which number is larger ("47-68: 68>47, ..."), takes the smaller from it (units with the
+    borrow, then tens less it) and copies the order again just before its result ("..., 68>47 so 47-68=-21"), so
+    that the sign is read from tokens a few places back rather than from the order step at the window's edge; a
+    product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12 into ten and
+    the rest. The question is restated first, where it is a copy of the tokens just before, and the closing
+    restatement can copy that one: from the user's turn past the steps, a product's operands sat more than one 32-token sliding window back and were misread (from the reply's
+    start, a sum's always sit within it, a difference's in about 2 cases of 10, a product's in about 6 of 10).
     """
+    head = f"{a}{op}{b}: "
     if op == "+":
         units = a % 10 + b % 10
         tens = a // 10 + b // 10 + units // 10
-        return f"{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a}+{b}={a + b}"
+        return f"{head}{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a}+{b}={a + b}"
     if op == "-":
         big, small = max(a, b), min(a, b)
         borrow = int(big % 10 < small % 10)
         units = f"{'1' if borrow else ''}{big % 10}-{small % 10}={big % 10 + 10 * borrow - small % 10}"
         tens = f"{big // 10}-{small // 10}-{borrow}={big // 10 - small // 10 - borrow}"
-        return f"{units}, {tens}, so {a}-{b}={a - b}"
+        order = f"{big}>{small}" if big != small else f"{a}={b}"
+        return f"{head}{order}, {units}, {tens}, {order} so {a}-{b}={a - b}"
     if op != "*":
         raise ValueError(f"arithmetic: unknown operator {op!r} (one of + - *)")
     small, big = min(a, b), max(a, b)
     if big < 10:
-        return f"{small}*{big}={a * b}, so {a}*{b}={a * b}"
+        return f"{head}{small}*{big}={a * b}, so {a}*{b}={a * b}"
     rest = small * (big - 10)
-    return f"{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a}*{b}={a * b}"
+    return f"{head}{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a}*{b}={a * b}"
+
+
+def _arithmetic_split(split: str, a: int, op: str, b: int) -> bool:
+    # A product of two digits is a times-table entry: it is a step of other questions, not worked from steps, so a
+    # held-out one could only be guessed; every such question is a training one.
+    if op == "*" and a < 10 and b < 10:
+        return split == "train"
+    return _in_split(split, a, op, b)
+
+
+def _example(split: str, rng: random.Random, a: int, op: str, b: int) -> Example | None:
+    if not _arithmetic_split(split, a, op, b):
+        return None
+    return Example("arithmetic", _user(rng.choice(ARITHMETIC).format(a=a, op=op, b=b)), None,
+                   _answer(worked(a, op, b)))
 
 
 def arithmetic(rng: random.Random, split: str) -> Example:
     while True:
         op = rng.choice("+-*")
         hi = 13 if op == "*" else 100
-        a, b = rng.randrange(hi), rng.randrange(hi)
-        if _in_split(split, a, op, b):
-            return Example("arithmetic", _user(rng.choice(ARITHMETIC).format(a=a, op=op, b=b)), None,
-                           _answer(worked(a, op, b)))
+        ex = _example(split, rng, rng.randrange(hi), op, rng.randrange(hi))
+        if ex is not None:
+            return ex
+
+
+def arithmetic_edges(rng: random.Random, split: str) -> Example:
+    """A sum or difference of the kinds a uniform draw rarely gives and a small model gets wrong: a one-digit
+    operand, two operands with the same tens (a difference's sign rests on the units), an operand that is a whole
+    ten (0 included). Training draws some arithmetic from here; the held-out split is the same as `arithmetic`'s."""
+    while True:
+        op, kind = rng.choice("+-"), rng.randrange(3)
+        a = rng.randrange(100)
+        units = rng.randrange(10)
+        b = (units, a // 10 * 10 + units, 10 * units)[kind]
+        if rng.random() < 0.5:
+            a, b = b, a
+        ex = _example(split, rng, a, op, b)
+        if ex is not None:
+            return ex
 
 
 def counting(rng: random.Random, split: str) -> Example:

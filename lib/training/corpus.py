@@ -24,7 +24,9 @@ from lib.text.tokenizer import SPECIAL_TOKENS, TINY_CORPUS, Tokenizer, build_tin
 # share of each task in the training stream, by conversation (tool calls and retrieval are long; arithmetic needs
 # the most examples; retrieval reads its code back through compressed attention alone, at every gap, and gets the
 # digits' order wrong when it has seen too few)
-MIX = {"arithmetic": 0.44, "counting": 0.05, "copying": 0.12, "facts": 0.15, "retrieval": 0.14, "tool_call": 0.1}
+MIX = {"arithmetic": 0.53, "counting": 0.03, "copying": 0.10, "facts": 0.10, "retrieval": 0.12, "tool_call": 0.12}
+# share of the arithmetic drawn from the cases a uniform draw rarely gives (tasks.arithmetic_edges)
+ARITHMETIC_EDGES = 0.3
 # The first OPENING_BATCHES batches draw only these short tasks, so each batch holds many of them. Copying is what makes
 # the model form the attention that finds a token's successor earlier in the context (an induction head), which tool
 # arguments and counting need too; it forms suddenly once enough copies have been seen (docs/training.md).
@@ -70,6 +72,8 @@ class TrainingStream:
     def _example(self, task: str) -> tasks.Example:
         seed = self.rng.randrange(1 << 30)
         gap = self.rng.randint(1, MAX_GAP_WINDOWS) * self.window
+        if task == "arithmetic" and self.rng.random() < ARITHMETIC_EDGES:
+            return tasks.arithmetic_edges(random.Random(seed), "train")
         return tasks.examples(task, "train", 1, seed, gap_tokens=gap,
                               count_tokens=lambda s: len(self.tokenizer.encode(s)))[0]
 

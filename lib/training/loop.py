@@ -40,8 +40,8 @@ TRAINING_DTYPE = torch.float32
 
 class TrainConfig(NamedTuple):
     seed: int = 0
-    steps: int = 2700
-    drafter_steps: int = 400        # DSpark drafter steps on the finished target
+    steps: int = 2400
+    drafter_steps: int = 300        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
     lr: float = 2e-3
     eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)

@@ -3,6 +3,7 @@ that the retrieval gap is real in tokens, and that exact-match scoring accepts t
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from lib.evaluation.names import PLACES, fact_table
 from lib.evaluation.scoring import is_correct
 from lib.evaluation.suite import prompt_text, reply_text
-from lib.evaluation.tasks import TASKS, examples, worked
+from lib.evaluation.tasks import TASKS, arithmetic_edges, examples, worked
 from lib.text.tokenizer import EOS, Tokenizer, build_tiny_tokenizer
 
 TOK = Tokenizer(build_tiny_tokenizer(1024))
@@ -43,9 +44,16 @@ def test_the_answers_are_the_questions_answers():
         assert e.reply["content"] == worked(int(a), op, int(b))
     questions = [(a, op, b) for op in "+-" for a in range(100) for b in range(100)]
     for a, op, b in questions + [(a, "*", b) for a in range(13) for b in range(13)]:    # every question there is
-        steps, result = worked(a, op, b).split(", so ")
-        assert result == f"{a}{op}{b}={_calc(a, op, b)}"
-        for step in steps.split(", "):     # every worked step is itself true
+        question, rest = worked(a, op, b).split(": ")
+        steps, result = rest.split(", so ") if op != "-" else rest.rsplit(" so ", 1)
+        assert question == f"{a}{op}{b}" and result == f"{a}{op}{b}={_calc(a, op, b)}"
+        if op == "-":                                     # the order again, just before the signed result
+            steps, again = steps.rsplit(", ", 1)
+            assert again == steps.split(", ")[0], (a, b)
+        for i, step in enumerate(steps.split(", ")):     # every worked step is itself true
+            if op == "-" and i == 0:                          # a difference first orders its operands
+                assert step == (f"{max(a, b)}>{min(a, b)}" if a != b else f"{a}={b}"), step
+                continue
             left, right = step.split("=")
             terms = re.fullmatch(r"(\d+)([-+*])(\d+)(?:([-+])(\d+))?", left).groups()
             value = _calc(int(terms[0]), terms[1], int(terms[2]))
@@ -113,3 +121,32 @@ def test_unknown_tasks_and_splits_are_named():
         examples("facts", "test", 1)
     with pytest.raises(ValueError, match="count_tokens"):
         examples("retrieval", "train", 1)
+
+
+def _operands(e) -> tuple[int, str, int]:
+    a, op, b = re.search(r"(\d+) ?([-+*]) ?(\d+)", e.messages[0]["content"]).groups()
+    return int(a), op, int(b)
+
+
+def test_a_times_table_entry_is_a_training_question_and_never_held_out():
+    held = [_operands(e) for e in examples("arithmetic", "heldout", 400)]
+    products = [(a, b) for a, op, b in held if op == "*"]
+    assert products and all(max(a, b) >= 10 for a, b in products)      # worked from table entries, never one
+    train = {_operands(e) for e in examples("arithmetic", "train", 4000)}
+    assert {(a, "*", b) for a in range(10) for b in range(10)} <= train
+
+
+def test_the_edge_draws_are_the_rare_kinds_and_keep_the_split():
+    rng = random.Random(0)
+    drawn = [_operands(arithmetic_edges(rng, "train")) for _ in range(600)]
+    assert {op for _, op, _ in drawn} == {"+", "-"}
+    one_digit = sum(min(a, b) < 10 for a, _, b in drawn)
+    same_tens = sum(a // 10 == b // 10 for a, _, b in drawn)
+    whole_ten = sum(a % 10 == 0 or b % 10 == 0 for a, _, b in drawn)
+    # a uniform draw gives each about a tenth to a fifth of the time; the edge draw at least a third each
+    assert min(one_digit, same_tens, whole_ten) > 200, (one_digit, same_tens, whole_ten)
+    held = {_operands(e) for e in examples("arithmetic", "heldout", 300)}
+    assert not held & set(drawn)
+    held_edges = [_operands(arithmetic_edges(rng, "heldout")) for _ in range(100)]
+    assert not set(held_edges) & set(drawn) and not set(held_edges) & {_operands(e) for e in
+                                                                       examples("arithmetic", "train", 4000)}

@@ -53,7 +53,8 @@ def test_python_m_serve_answers_the_readme_curl_call():
         assert reply["object"] == "chat.completion" and reply["model"] == "deepseek-v4-tiny"
         assert reply["choices"][0]["finish_reason"] == "stop"
         a, b = map(int, re.fullmatch(r"What is (\d+)\+(\d+)\?", body["messages"][-1]["content"]).groups())
-        assert reply["choices"][0]["message"]["content"].endswith(f"so {a}+{b}={a + b}")   # the shipped model answers
+        content = reply["choices"][0]["message"]["content"]
+        assert content.startswith(f"{a}+{b}: ") and content.endswith(f"so {a}+{b}={a + b}")     # the shipped model answers
     finally:
         proc.send_signal(signal.SIGINT)             # uvicorn shuts down gracefully on Ctrl-C, then
         try:                                        # re-raises the signal: exit 0 or "killed by SIGINT"

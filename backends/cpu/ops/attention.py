@@ -19,9 +19,11 @@ from lib.distributed import process_group as parallel
 from lib.records.batch import Batch
 
 # HCA entries attended per block (a running softmax across blocks): a [T, block, D] gather and
-# [T, H, block] logits per step whatever the context length. Every block is full width, entries
-# past the sequence's masked: the same shapes at 4K as at 256K, so the peak memory of a step is
-# the same too (a first block that grew up to 256 entries, 32K positions, grew the peak with it).
+# [T, H, block] logits per step whatever the context length. Every block of a step has one width,
+# entries past the sequence's masked: HCA_BLOCK once the batch's longest sequence has that many
+# entries, else the power of two that holds them (indexer.block_width), so the shapes are the same
+# at 4K as at 256K and the peak memory of a step too (a first block that grew up to 256 entries,
+# 32K positions, grew the peak with it), while a short context does not attend 256 masked entries.
 HCA_BLOCK = 256
 # Query rows attended at a time: a 512-token chunk's [T, W + k, D] fp64 keys were 48 MiB in one
 # tensor, and tensors that large kept finding no free hole in the heap the chunk before left, so
@@ -106,8 +108,9 @@ def _attend(q: torch.Tensor, sources: torch.Tensor, batch: Batch, ring: int, ent
     e = torch.exp(logits - top)
     total, acc = e.sum(-1, keepdim=True), torch.einsum("thk,tkd->thd", e, keys)
     if entries is not None and selection is None:                       # HCA: every complete entry
-        for lo in range(0, addr.max_entries[ratio], HCA_BLOCK):
-            ids = torch.arange(lo, lo + HCA_BLOCK, dtype=torch.int64)                # full width, masked
+        width = indexer.block_width(addr.max_entries[ratio], HCA_BLOCK)
+        for lo in range(0, addr.max_entries[ratio], width):
+            ids = torch.arange(lo, lo + width, dtype=torch.int64)                    # every block this wide, masked
             block = _entries(addr, entries, ratio, ids, rows).to(wide.dtype)                  # [n, D] or [t, n, D]
             spec = ("thd,kd->thk", "thk,kd->thd") if block.dim() == 2 else ("thd,tkd->thk", "thk,tkd->thd")
             lg = torch.where((ids[None, :] < limit[:, None])[:, None, :],

@@ -23,14 +23,24 @@ from lib.records.batch import Batch
 # in the host heap, which grew over a long prefill; narrower blocks cost longer sorts per entry.
 INDEX_TILE_BYTES = 1 << 24
 INDEX_MIN_BLOCK, INDEX_MAX_BLOCK = 16, 1024
-# Every block, the last included, is as wide as the others (entries past the sequence's are masked), so
-# a step's temporaries have the same shapes at any context: memory is flat beyond the first blocks
-# (a last block that grew with the context made every chunk allocate new sizes, and the heap grew).
+# Every block of a step, the last included, is as wide as the others (entries past the sequence's are
+# masked), so a step's temporaries take one of a few shapes at any context and memory is flat beyond the
+# first blocks (a last block that grew with the context made every chunk allocate new sizes, and the heap
+# grew). A batch whose longest sequence has fewer entries than a block holds takes the next power of two
+# instead (at least INDEX_MIN_BLOCK): a short context does not score a thousand masked entries per query,
+# and the widths a step can take stay a handful.
 
 
 def block_size(queries: int, heads: int, dim: int, itemsize: int = 8) -> int:
     per_entry = queries * (heads + dim) * itemsize
     return max(INDEX_MIN_BLOCK, min(INDEX_MAX_BLOCK, INDEX_TILE_BYTES // max(1, per_entry)))
+
+
+def block_width(entries: int, widest: int) -> int:
+    """Entries per block for a batch whose longest sequence has `entries`: `widest`, or the power of two
+    (at least INDEX_MIN_BLOCK) that holds them all when that is narrower. A query's scores and selection do
+    not depend on it: every entry is scored on its own and the running top-k keeps lower ids at a tie."""
+    return min(widest, max(INDEX_MIN_BLOCK, 1 << max(entries - 1, 0).bit_length()))
 
 
 def block_scores(q: torch.Tensor, ws: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -83,7 +93,7 @@ def select(q: torch.Tensor, weights: torch.Tensor, batch: Batch, keys: torch.Ten
     limit = (batch.positions + 1) // ratio                                               # [T]: visible ids < limit
     ws = weights.to(wide.dtype) * weight_scale
     best, best_ids = empty_selection(t, topk)
-    n = block_size(t, q.shape[1], q.shape[2])          # every block full width
+    n = block_width(addr.max_entries[ratio], block_size(t, q.shape[1], q.shape[2]))      # every block this wide
     for lo in range(0, addr.max_entries[ratio], n):
         ids = torch.arange(lo, lo + n, dtype=torch.int64)
         scores = block_scores(q, ws, _keys(addr, keys, ratio, ids)).masked_fill_(ids[None, :] >= limit[:, None],
