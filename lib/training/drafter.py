@@ -23,7 +23,8 @@ from lib.records.batch import Batch
 from lib.records.decode_state import LayerPools
 from lib.runtime.paged_cache import PagedCache, ring_addressing
 from lib.training.corpus import Sequence
-from lib.training.target import prefill
+from lib.training.data_parallel import Share, split
+from lib.training.target import prefill, shared_prefixes
 
 CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
 
@@ -109,17 +110,23 @@ def draft_blocks(model, seqs: list[Sequence], ring: int | None = None) -> Blocks
     return Blocks(anchors, logits_d, confidence, p_t, greedy, valid)
 
 
-def dspark_loss(model, seqs: list[Sequence], ring: int | None = None) -> tuple[torch.Tensor, float]:
-    """DSpark's loss over every reply anchor of `seqs`, and the mean greedy-accepted prefix length per block."""
+def dspark_loss(model, seqs: list[Sequence], ring: int | None = None,
+                share: Share = Share()) -> tuple[torch.Tensor, float]:
+    """DSpark's loss over every reply anchor of `seqs`, and the mean greedy-accepted prefix length per block.
+    With a data-parallel `share`, `seqs` is this rank's share of a batch: the loss is divided by the whole batch's
+    weight (so the ranks' losses and gradients add up to the batch's) and the mean is the whole batch's."""
     b = draft_blocks(model, seqs, ring)
     gamma = b.logits.shape[1]
     tv = 0.5 * (torch.softmax(b.logits, dim=-1) - b.target).abs().sum(-1)
     ce = torch.nn.functional.cross_entropy(b.logits.transpose(1, 2), b.greedy, reduction="none")
     bce = torch.nn.functional.binary_cross_entropy_with_logits(b.confidence, (1 - tv).detach(), reduction="none")
     weight = torch.exp(-torch.arange(gamma, dtype=torch.float64) / gamma)[None, :] * b.valid
-    loss = ((CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * bce) * weight).sum() / weight.sum()
     hit = ((b.logits.argmax(-1) == b.greedy) & b.valid).int()
-    return loss, float(hit.cumprod(dim=1).sum(dim=1).double().mean())
+    accepted = hit.cumprod(dim=1).sum(dim=1).double()
+    total_weight, accepted_sum, blocks = share.sum(
+        torch.stack((weight.sum().detach(), accepted.sum(), torch.tensor(len(accepted), dtype=torch.float64)))).tolist()
+    loss = ((CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * bce) * weight).sum() / total_weight
+    return loss, accepted_sum / blocks
 
 
 class DrafterTrainer:
@@ -140,17 +147,23 @@ class DrafterTrainer:
         done = min(1.0, (self.step_count - self.warmup) / max(1, self.steps - self.warmup))
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
-    def step(self, seqs: list[Sequence]) -> tuple[float, float]:
-        """One optimiser step: (DSpark loss, mean greedy-accepted drafts per block)."""
+    def step(self, seqs: list[Sequence], share: Share = Share()) -> tuple[float, float]:
+        """One optimiser step on the batch `seqs`: (DSpark loss, mean greedy-accepted drafts per block). With a
+        data-parallel `share`, this rank drafts the anchors of its share of the batch and the ranks' gradients are
+        summed, so every rank takes the one-process step (lib/training/data_parallel.py)."""
         for group in self.opt.param_groups:
             group["lr"] = self._lr()
-        loss, accepted = dspark_loss(self.model, seqs, self.ring)
+        shares = split(seqs, share.world, shared_prefixes(seqs))
+        if not all(anchors_of(s) for s in shares):   # a share without a reply anchor: every rank drafts them all
+            share, shares = Share(), [seqs]
+        loss, accepted = dspark_loss(self.model, shares[share.rank], self.ring, share)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        share.sum_grads(self.leaves)
         torch.nn.utils.clip_grad_norm_(self.leaves, 1.0)
         self.opt.step()
         self.step_count += 1
-        return float(loss.detach()), accepted
+        return float(share.sum(loss.detach().double())), accepted
 
     def finish(self) -> None:
         for v in self.leaves:

@@ -6,14 +6,16 @@ of how it was made and how it scores.
    loads: routing.py);
 2. the target trained on the task mix's training split (corpus.py, target.py; each step's batch shared by the
    data-parallel ranks, data_parallel.py), its indexer distilled from the attention it serves (indexer.py), then
-   the DSpark drafter on the frozen target (drafter.py);
+   the DSpark drafter on the frozen target (drafter.py), its batches shared by the same ranks;
 3. the checkpoint written (export.py) with the task mix's tokenizer, then loaded back as any checkpoint is and scored
    on the held-out split through the engine (lib/evaluation/suite.py); `training.json` beside the weights records
    the seed, steps, time, losses and that accuracy.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -102,17 +104,17 @@ def _initial(config: TrainConfig):
 
 
 def _train(model, cfg, tokenizer, config: TrainConfig, threads: int) -> dict:
-    """The target (over `config.data_parallel_size` ranks of `threads` threads each), then the drafter on it
-    in this process: the record's training fields."""
+    """The target, then the drafter on it, over `config.data_parallel_size` ranks of `threads` threads each: the
+    record's training fields."""
     stream = TrainingStream(tokenizer, cfg.sliding_window, config.seed)
     every = torch.get_num_threads()
-    with data_parallel.ranks(config.data_parallel_size, _target_rank, (config, threads)) as share:
+    with data_parallel.ranks(config.data_parallel_size, _rank, (config, threads)) as share:
         torch.set_num_threads(threads)
         try:
             losses, kls, tokens = _train_target(model, stream, config, share, progress=True)
+            drafted = _train_drafter(model, stream, config, share, progress=True) if config.drafter_steps else {}
         finally:
             torch.set_num_threads(every)
-    drafted = _train_drafter(model, stream, config) if config.drafter_steps else {}
     return {"tokens": tokens, "loss_first_20": _mean(losses[:20]), "loss_last_20": _mean(losses[-20:]),
             "indexer_kl_first_20": _mean(kls[:20]), "indexer_kl_last_20": _mean(kls[-20:]), **drafted}
 
@@ -134,23 +136,28 @@ def _train_target(model, stream: TrainingStream, config: TrainConfig, share, pro
     return losses, kls, tokens
 
 
-def _target_rank(rank: int, world: int, init_method: str, config: TrainConfig, threads: int) -> None:
+def _rank(rank: int, world: int, init_method: str, config: TrainConfig, threads: int) -> None:
     """A data-parallel worker (a fresh process): the same initial model and stream as rank 0, its share of
-    every target step; rank 0 keeps the weights."""
+    every target step, then of every drafter step on its own copy of the target (bit-identical to rank 0's);
+    rank 0 keeps the weights."""
     torch.set_num_threads(threads)
     share = data_parallel.join(rank, world, init_method)
     model, cfg, tokenizer = _initial(config)
+    stream = TrainingStream(tokenizer, cfg.sliding_window, config.seed)
     with computing_in(TRAINING_DTYPE):
-        _train_target(model, TrainingStream(tokenizer, cfg.sliding_window, config.seed), config, share, progress=False)
+        _train_target(model, stream, config, share, progress=False)
+        if config.drafter_steps:
+            _train_drafter(model, stream, config, share, progress=False)
 
 
-def _train_drafter(model, stream: TrainingStream, config: TrainConfig) -> dict:
-    """DSpark's objective on the frozen target (drafter.py); the record's drafter fields."""
+def _train_drafter(model, stream: TrainingStream, config: TrainConfig, share, progress: bool) -> dict:
+    """DSpark's objective on the frozen target (drafter.py), each step's batch shared by the ranks as the target's
+    are; the record's drafter fields."""
     trainer = DrafterTrainer(model, config.drafter_steps, lr=config.lr, warmup=max(1, min(20, config.drafter_steps // 10)))
     losses, accepted = [], []
-    with tqdm(total=config.drafter_steps, desc="training the DSpark drafter", unit="step") as bar:
+    with tqdm(total=config.drafter_steps, desc="training the DSpark drafter", unit="step", disable=not progress) as bar:
         for _ in range(config.drafter_steps):
-            loss, acc = trainer.step(stream.batch(config.tokens_per_step))
+            loss, acc = trainer.step(stream.batch(config.tokens_per_step), share)
             losses.append(loss)
             accepted.append(acc)
             bar.update(1)
@@ -166,23 +173,39 @@ def _mean(values: list[float]) -> float:
 
 def _score(path: Path, per_task: int, log) -> dict:
     """Held-out exact match of the written checkpoint, loaded back as users load it (plain decoding), and DSpark's
-    acceptance on the same questions (a full block every step, so every position is measured)."""
+    acceptance on the same questions (a full block every step, so every position is measured). The two runs go in
+    two processes of half the threads each: the engine at these widths is bound by per-op overhead, which a second
+    thread does not share (as in training, data_parallel.py)."""
+    every = torch.get_num_threads()
+    half = max(1, every // 2)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        drafted = pool.submit(_scored, str(path), per_task, "dspark", half, False)
+        torch.set_num_threads(half)
+        try:
+            plain = _scored(str(path), per_task, "plain", half, True)
+        finally:
+            torch.set_num_threads(every)
+        dspark = drafted.result()
+    accuracy = {task: round(a["accuracy"], 4) for task, a in plain.accuracy().items()}
+    log("held-out exact match: " + ", ".join(f"{t} {a:.0%}" for t, a in accuracy.items()))
+    spec = dspark.speculation() or {}
+    same = [o.reply for o in plain.outcomes] == [o.reply for o in dspark.outcomes]
+    return {"accuracy": accuracy, "dspark_mean_accepted_per_round": round(spec.get("mean_accepted_per_round", 0.0), 3),
+            "dspark_replies_identical": same}
+
+
+def _scored(path: str, per_task: int, name: str, threads: int, progress: bool):
+    """One scoring run (`name`: plain or dspark) of the checkpoint at `path` in this process: its SuiteRun."""
     from lib.engine.llm_engine import Engine, EngineConfig
     from lib.evaluation import suite
     from lib.evaluation.tasks import TASKS
     from lib.text.tokenizer import Tokenizer
 
+    torch.set_num_threads(threads)
     model, tok = load_model(path, "cpu"), Tokenizer.from_dir(path)
     exs = suite.heldout_for(model.cfg, tok, TASKS, per_task)
-    runs = {}
-    for name in ("plain", "dspark"):
-        engine = Engine(model, EngineConfig(max_num_seqs=16, speculative="none" if name == "plain" else "dspark",
-                                            adaptive_drafting=False), tokenizer=tok)
-        with tqdm(total=len(exs), desc=f"scoring held-out questions ({name})", unit="question") as bar:
-            runs[name] = suite.run(engine, tok, exs, progress=bar)
-    accuracy = {task: round(a["accuracy"], 4) for task, a in runs["plain"].accuracy().items()}
-    log("held-out exact match: " + ", ".join(f"{t} {a:.0%}" for t, a in accuracy.items()))
-    spec = runs["dspark"].speculation() or {}
-    same = [o.reply for o in runs["plain"].outcomes] == [o.reply for o in runs["dspark"].outcomes]
-    return {"accuracy": accuracy, "dspark_mean_accepted_per_round": round(spec.get("mean_accepted_per_round", 0.0), 3),
-            "dspark_replies_identical": same}
+    engine = Engine(model, EngineConfig(max_num_seqs=16, speculative="none" if name == "plain" else "dspark",
+                                        adaptive_drafting=False), tokenizer=tok)
+    desc = "scoring held-out questions (plain; DSpark beside it)"
+    with tqdm(total=len(exs), desc=desc, unit="question", disable=not progress) as bar:
+        return suite.run(engine, tok, exs, progress=bar)

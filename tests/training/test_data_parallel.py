@@ -38,6 +38,29 @@ def _step_rank(rank: int, world: int, init_method: str, path: str, threads: int)
     dist.broadcast(_weights(trainer), src=rank)
 
 
+def _drafter_batches(model):
+    stream = TrainingStream(task_tokenizer(model.cfg.vocab_size), model.cfg.sliding_window, seed=1)
+    return [stream.batch(300), stream.batch(300)]
+
+
+def _drafter(model):
+    from lib.training.drafter import DrafterTrainer
+
+    return DrafterTrainer(model, steps=4, lr=3e-3, warmup=1)
+
+
+def _draft_rank(rank: int, world: int, init_method: str, path: str, threads: int) -> None:
+    """A worker rank of the drafter: its share of each step; then its drafter weights to rank 0."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    share = data_parallel.join(rank, world, init_method)
+    trainer = _drafter(load_model(path))
+    for batch in _drafter_batches(trainer.model):
+        trainer.step(batch, share)
+    dist.broadcast(torch.cat([v.detach().reshape(-1) for v in trainer.leaves]), src=rank)
+
+
 def _failing_rank(rank: int, world: int, init_method: str) -> None:
     raise SystemExit(3)
 
@@ -95,6 +118,30 @@ def test_two_ranks_take_the_one_process_step_on_the_whole_batch(tiny_ckpt):
         assert float((weight - other).norm()) <= 0.02 * float(moved.norm()), name
     biases = [n for n in shared_after[2] if n.endswith("ffn.gate.bias")]
     assert biases and all(torch.equal(shared_after[2][n][0], solo_after[2][n][0]) for n in biases)   # loads summed
+
+
+def test_two_ranks_take_the_one_process_drafter_step(tiny_ckpt):
+    import torch.distributed as dist
+
+    solo = _drafter(load_model(tiny_ckpt))
+    batches = _drafter_batches(solo.model)
+    solo_out = []
+    for batch in batches:
+        solo_out.append(solo.step(batch))
+        solo_grads = [None if v.grad is None else v.grad.clone() for v in solo.leaves]
+    with data_parallel.ranks(2, _draft_rank, (str(tiny_ckpt), torch.get_num_threads())) as share:
+        trainer = _drafter(load_model(tiny_ckpt))
+        shared_out = [trainer.step(batch, share) for batch in batches]
+        other_rank = torch.empty(sum(v.numel() for v in trainer.leaves), dtype=trainer.leaves[0].dtype)
+        dist.broadcast(other_rank, src=1)
+    assert all(data_parallel.split(b, 2)[1] for b in batches)                  # both steps shared
+    assert torch.equal(other_rank, torch.cat([v.detach().reshape(-1) for v in trainer.leaves]))
+    for (loss, accepted), (loss1, accepted1) in zip(shared_out, solo_out):
+        assert loss == pytest.approx(loss1, rel=1e-5) and accepted == pytest.approx(accepted1, abs=0.05)
+    for v, other in zip(trainer.leaves, solo_grads):                            # the second step's gradients
+        assert (v.grad is None) == (other is None)
+        if other is not None:
+            assert float((v.grad - other).norm()) <= 1e-3 * max(float(other.norm()), 1e-12)
 
 
 def test_a_rank_that_dies_fails_the_run_naming_it():
