@@ -43,6 +43,15 @@ def split(seqs: list, world: int, groups: list[tuple[int, list[int]]] = ()) -> l
     return [[s for i, s in enumerate(seqs) if owner[i] == rank] for rank in range(world)]
 
 
+def take(seqs: list, share: "Share", groups: list[tuple[int, list[int]]] = (), usable: Callable = bool):
+    """(the Share to sum with, this rank's conversations): its `split` share, or, when any rank's share is not
+    `usable` (default: empty), the whole batch on every rank, summed as in one process."""
+    shares = split(seqs, share.world, groups)
+    if not all(usable(s) for s in shares):
+        return Share(), seqs
+    return share, shares[share.rank]
+
+
 class Share(NamedTuple):
     """This process's place in the data-parallel group (`group` None: the whole batch in one process)."""
     rank: int = 0

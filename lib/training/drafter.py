@@ -23,7 +23,7 @@ from lib.records.batch import Batch
 from lib.records.decode_state import LayerPools
 from lib.runtime.paged_cache import PagedCache, ring_addressing
 from lib.training.corpus import Sequence
-from lib.training.data_parallel import Share, split
+from lib.training.data_parallel import Share, take
 from lib.training.target import prefill, shared_prefixes
 
 CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
@@ -153,10 +153,9 @@ class DrafterTrainer:
         summed, so every rank takes the one-process step (lib/training/data_parallel.py)."""
         for group in self.opt.param_groups:
             group["lr"] = self._lr()
-        shares = split(seqs, share.world, shared_prefixes(seqs))
-        if not all(anchors_of(s) for s in shares):   # a share without a reply anchor: every rank drafts them all
-            share, shares = Share(), [seqs]
-        loss, accepted = dspark_loss(self.model, shares[share.rank], self.ring, share)
+        # a share without a reply anchor: every rank drafts them all
+        share, mine = take(seqs, share, shared_prefixes(seqs), usable=anchors_of)
+        loss, accepted = dspark_loss(self.model, mine, self.ring, share)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         share.sum_grads(self.leaves)

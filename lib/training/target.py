@@ -23,7 +23,7 @@ import torch
 from lib.records.batch import make_batch
 from lib.runtime.paged_cache import PagedCache
 from lib.training.corpus import Sequence
-from lib.training.data_parallel import Share, split
+from lib.training.data_parallel import Share, take
 from lib.training.indexer import distilling
 from lib.training.routing import balancing
 
@@ -196,10 +196,8 @@ class TargetTrainer:
         losses and expert loads are summed, so every rank takes the same step (lib/training/data_parallel.py)."""
         for group in self.opt.param_groups:
             group["lr"] = self.schedule.lr_at(self.step_count)
-        shares = split(seqs, share.world, shared_prefixes(seqs))
-        if not all(shares):      # too few to share (a group stays whole): every rank computes the whole batch
-            share, shares = Share(), [seqs]
-        mine = shares[share.rank]
+        # too few to share (a group stays whole): every rank computes the whole batch
+        share, mine = take(seqs, share, shared_prefixes(seqs))
         with distilling() as indexer, balancing() as loads:
             ce = loss_of(self.model, mine, len(seqs))
         kl = indexer.loss(share)
