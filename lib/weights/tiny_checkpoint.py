@@ -29,6 +29,9 @@ TINY_VARIANT = "tiny"
 TINY_SEED = 0
 MAX_BYTES = 1 << 30            # make-tiny's limit on the checkpoint it writes
 TRAINING_RECORD = "training.json"     # beside the weights of every checkpoint `dsv4gen train-tiny` writes
+# Beside the shipped checkpoint's weights: the training.json of a later from-scratch run of the same command (its own
+# weights not shipped), the evidence that the command reproduces the shipped accuracy and in how long.
+REPRODUCTION_RECORD = "reproduction.json"
 # Bump when the initialisation below changes, so cached embedded checkpoints are rebuilt.
 MAKER_VERSION = 4
 

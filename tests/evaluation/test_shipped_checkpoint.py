@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from lib.cli.main import main
 from lib.weights.checkpoint import summary
-from lib.weights.tiny_checkpoint import TRAINING_RECORD, shipped_trained
+from lib.weights.tiny_checkpoint import REPRODUCTION_RECORD, TRAINING_RECORD, shipped_trained
 from spec.config import load_config_json
 
 
@@ -24,11 +22,24 @@ def test_the_shipped_checkpoint_records_how_it_was_made():
     assert cfg.sliding_window == 32 and summary(cfg)["all"]["bytes"] < shipped_bytes < 16 << 20     # a few MiB
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped run took 108.2 min (docs/training.md), other jobs sharing the "
-                                       "cores for part of it; a run with the machine to itself is still to be recorded")
-def test_the_shipped_checkpoint_was_trained_and_scored_in_90_minutes():
-    record = json.loads((shipped_trained() / TRAINING_RECORD).read_text())
-    assert record["total_seconds"] <= 90 * 60                    # the issue's bar: training and scoring in 90 min
+def test_the_shipped_command_reproduces_the_checkpoints_accuracy_in_90_minutes():
+    """The issue's bar: from scratch, the training command reproduces the shipped weights' held-out accuracy within 2
+    points, training and scoring in at most 90 minutes on the 2-core machine (a run recorded whole, not repeated
+    here: it takes most of those 90 minutes)."""
+    shipped = json.loads((shipped_trained() / TRAINING_RECORD).read_text())
+    again = json.loads((shipped_trained() / REPRODUCTION_RECORD).read_text())
+    assert _arguments(again["command"]) == _arguments(shipped["command"])           # the same command, another --out
+    assert again["config"] == shipped["config"] and again["torch"] == shipped["torch"]
+    assert again["total_seconds"] <= 90 * 60
+    assert again["heldout"]["accuracy"].keys() == shipped["heldout"]["accuracy"].keys()
+    for task, accuracy in shipped["heldout"]["accuracy"].items():
+        assert abs(again["heldout"]["accuracy"][task] - accuracy) <= 0.02 + 1e-9, task
+    assert again["heldout"]["dspark_replies_identical"] is True
+
+
+def _arguments(command: str) -> list[str]:
+    words = command.split()
+    return [w for i, w in enumerate(words) if w != "--out" and (i == 0 or words[i - 1] != "--out")]
 
 
 def test_eval_defaults_to_the_shipped_checkpoint_and_it_answers(tmp_path, capsys):
