@@ -1,9 +1,13 @@
 """Bounded load benchmark of the OpenAI-compatible server (a benchmark, not a test).
 
 Starts the real server (the `python -m serve` build path) on a free local port, then at each
-concurrency level keeps that many streaming /v1/completions requests in flight until a fixed number
-have finished, and prints aggregate generated tokens/s, time to first token and time per output
-token, all measured by the client over HTTP in one run.
+concurrency level keeps that many streaming /v1/chat/completions requests in flight until a fixed
+number have finished, and prints aggregate generated tokens/s, time to first token and time per
+output token, all measured by the client over HTTP in one run. The requests are chat turns asking
+for a difference of two numbers: the trained tiny checkpoint answers them with visible text past 32
+tokens (its worked digit steps), so the first and last streamed text are the first and last tokens;
+to a raw-text prompt it answers with end-of-sentence tokens, which `ignore_eos` keeps generating
+and the stream does not show.
 
     python -m lib.bench.serve_load [--concurrency 1,4,16] [--requests-per-level 2] [--max-tokens 32]
                                [--speculative dspark|none] [--model DIR] [--out DIR]
@@ -20,11 +24,11 @@ from pathlib import Path
 import httpx
 
 
-async def _one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one(http: httpx.AsyncClient, model: str, question: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start, first, last, tokens = time.perf_counter(), None, None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
@@ -32,7 +36,7 @@ async def _one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
             chunk = json.loads(line[6:])
             if chunk.get("error"):
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 last = time.perf_counter()
                 first = first or last
             if chunk.get("usage"):
@@ -42,7 +46,7 @@ async def _one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
 
 
 async def _level(url: str, model: str, concurrency: int, total: int, max_tokens: int) -> dict:
-    prompts = iter(f"Request {i}: tell me about the number {i * 13}." for i in range(total))
+    prompts = iter(f"What is {90 - i % 37}-{17 + i % 23}?" for i in range(total))
     results: list[dict] = []
 
     async def worker(http):
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
         thread.join(timeout=30)
     print(f"\nserver load benchmark: backend {args.backend}, speculative {args.speculative}, "
-          f"{args.max_tokens} tokens per request, streaming /v1/completions over HTTP")
+          f"{args.max_tokens} tokens per request, streaming /v1/chat/completions over HTTP")
     print("| concurrency | requests | generated tok/s | TTFT p50 | TTFT p95 | time per output token |")
     print("|---|---|---|---|---|---|")
     for r in rows:
