@@ -7,7 +7,8 @@ so greedy output is identical with any policy.
   exponential average for the running mode, a probe's own measurement for the other; the model, the device and the
   batch decide, not a constant). The mode that measured slower is tried again after a backoff that doubles each
   time it loses again (BACKOFF .. MAX_BACKOFF steps, times how many times slower it was), so a drafter that starts
-  paying (text that turns predictable) is found again, and a plain step now and then keeps the comparison honest.
+  paying (text that turns predictable) is found again, and a plain step now and then keeps the comparison honest;
+  a probe that would overturn the choice is taken twice before it does.
 - The length (per request): drafts are verified up to the last position whose survival (the chance that it and
   every draft before it are accepted) is estimated at MIN_SURVIVAL or more. The estimate is the drafter's confidence
   head (prefix products of sigmoid(c_k): DSV4-REFERENCE §5.2, trained to predict exactly this) once its predictions
@@ -82,6 +83,7 @@ class DraftPolicy:
     probe_in: int = 0                                # steps until the other mode is measured again
     backoff: int = BACKOFF
     bucket: int = 0                                  # the batch size range the measurements are of (bit length)
+    confirming: float | None = None                  # a winning probe's seconds per token, awaiting a second probe
     # the finished requests' counts together (weighted by FINISHED_RECENT), and their rate per position (None: never
     # tried), the prior of every request's estimate: it changes only when a request finishes
     tried: list[float] = field(default_factory=list)
@@ -109,17 +111,26 @@ class DraftPolicy:
         if not self.adaptive or tokens <= 0:
             return
         if requests.bit_length() != self.bucket:
-            self.bucket, self.seconds, self.probe_in = requests.bit_length(), {}, 0
+            self.bucket, self.seconds, self.probe_in, self.confirming = requests.bit_length(), {}, 0, None
         mode, per = ("draft" if drafted else "plain"), seconds / tokens
         if drafted == self.drafting:             # the running mode: an average over its steps
             self.seconds[mode] = per if mode not in self.seconds else (1 - EMA) * self.seconds[mode] + EMA * per
             self.probe_in -= 1
             return
-        self.seconds[mode] = per                 # a probe: things may have changed since the last one
+        measured_before = mode in self.seconds   # this probe may overturn a choice made on both modes' measurements
+        # a probe: things may have changed since the last one (a confirming probe: the mean of the two)
+        self.seconds[mode] = per if self.confirming is None else 0.5 * (self.confirming + per)
         if self.seconds.keys() < {"draft", "plain"}:
             return
         draft, plain = self.seconds["draft"], self.seconds["plain"]       # a probe of the other mode: choose again
         better = draft < plain
+        # One step's tokens are luck as much as speed (a drafting step of a drafter that is seldom right emits two
+        # tokens now and then, halving its time per token), and a switch on it lasts backoff steps: a probe that
+        # would switch is taken once more first, probe_in staying spent, and the two decide together.
+        if better != self.drafting and measured_before and self.confirming is None:
+            self.confirming = per
+            return
+        self.confirming = None
         self.backoff = min(2 * self.backoff, MAX_BACKOFF) if better == self.drafting else BACKOFF
         # a mode that lost by a factor r waits r times as long: a probe costs about r plain steps
         lost_by = max(draft, plain) / min(draft, plain)

@@ -44,6 +44,19 @@ def test_the_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other
     assert _steps(DraftPolicy(gamma=5, adaptive=False), 20, 2.0, 1.0) == "D" * 20   # not adaptive: always drafts
 
 
+def test_one_lucky_probe_does_not_switch_the_gate_two_winning_ones_do():
+    policy = DraftPolicy(gamma=5)
+    chosen = _steps(policy, 2 + 2 * dp.BACKOFF, draft_s=2.0, plain_s=1.0)     # plain chosen, drafting probed next
+    assert chosen.endswith("p") and policy.drafting is False and policy.draft_this_step() is True
+    policy.step_done(True, 1.0, 2, requests=1)          # a probe whose drafts were accepted by chance: 0.5 s a token
+    assert policy.drafting is False and policy.draft_this_step() is True              # taken once more first
+    policy.step_done(True, 2.0, 1, requests=1)          # the drafter's usual: together 1.25 s a token, plain 1.0
+    assert policy.drafting is False and policy.draft_this_step() is False
+    assert _steps(policy, 2 * 4 * dp.BACKOFF, draft_s=2.0, plain_s=1.0).count("D") == 1      # backed off further
+    chosen = _steps(policy, 4 * dp.MAX_BACKOFF, draft_s=0.4, plain_s=1.0)    # the drafter starts paying
+    assert policy.drafting is True and chosen[chosen.index("D"):].startswith("DD")
+
+
 def test_a_request_verifies_what_its_running_acceptance_says_survives_and_pauses_when_nothing_does():
     policy, head = DraftPolicy(gamma=5), [0.0] * 5
     assert policy.planned("r") == 5
