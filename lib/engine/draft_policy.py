@@ -3,12 +3,12 @@ verifies. Every decision here only changes speed: verification keeps the target'
 so greedy output is identical with any policy.
 
 - The gate (engine-wide): drafting stays on while a decode step that drafts emits tokens faster than a plain one,
-  as measured on this engine's own decode-only steps at the current batch size (seconds per emitted token: an
-  exponential average for the running mode, a probe's own measurement for the other; the model, the device and the
-  batch decide, not a constant). The mode that measured slower is tried again after a backoff that doubles each
-  time it loses again (BACKOFF .. MAX_BACKOFF steps, times how many times slower it was), so a drafter that starts
-  paying (text that turns predictable) is found again, and a plain step now and then keeps the comparison honest;
-  a probe that would overturn the choice is taken twice before it does.
+  as measured on this engine's own decode-only steps at the current batch size (seconds per emitted token: for the
+  running mode the ratio of exponential averages of a step's seconds and of its tokens, for the other a probe's own
+  measurement; the model, the device and the batch decide, not a constant). The mode that measured slower is tried
+  again after a backoff that doubles each time it loses again (BACKOFF .. MAX_BACKOFF steps, times how many times
+  slower it was), so a drafter that starts paying (text that turns predictable) is found again, and a plain step now
+  and then keeps the comparison honest; a probe that would overturn the choice is taken twice before it does.
 - The length (per request): drafts are verified up to the last position whose survival (the chance that it and
   every draft before it are accepted) is estimated at MIN_SURVIVAL or more. The estimate is the drafter's confidence
   head (prefix products of sigmoid(c_k): DSV4-REFERENCE §5.2, trained to predict exactly this) once its predictions
@@ -78,12 +78,15 @@ class DraftPolicy:
     gamma: int
     adaptive: bool = True
     requests: dict = field(default_factory=dict)
-    seconds: dict = field(default_factory=dict)     # "draft" / "plain" -> EMA seconds per emitted token
+    # "draft" / "plain" -> (seconds, tokens): exponential averages of a step's wall seconds and emitted tokens. Their
+    # ratio is the mode's seconds per token; an average of each step's ratio would count a drafting step that emitted
+    # one token as much as one that emitted six, and so rate a drafter that pays as slower than it is
+    measured: dict = field(default_factory=dict)
     drafting: bool = True                            # the gate's current choice
     probe_in: int = 0                                # steps until the other mode is measured again
     backoff: int = BACKOFF
     bucket: int = 0                                  # the batch size range the measurements are of (bit length)
-    confirming: float | None = None                  # a winning probe's seconds per token, awaiting a second probe
+    confirming: tuple | None = None                  # a winning probe's (seconds, tokens), awaiting a second probe
     # the finished requests' counts together (weighted by FINISHED_RECENT), and their rate per position (None: never
     # tried), the prior of every request's estimate: it changes only when a request finishes
     tried: list[float] = field(default_factory=list)
@@ -100,9 +103,9 @@ class DraftPolicy:
         if not self.adaptive:
             return True
         mine, other = ("draft", "plain") if self.drafting else ("plain", "draft")
-        if mine not in self.seconds:
+        if mine not in self.measured:
             return self.drafting
-        return not self.drafting if other not in self.seconds or self.probe_in <= 0 else self.drafting
+        return not self.drafting if other not in self.measured or self.probe_in <= 0 else self.drafting
 
     def step_done(self, drafted: bool, seconds: float, tokens: int, requests: int) -> None:
         """Report a decode-only step: whether any request verified drafts in it, its wall time, the tokens it
@@ -111,24 +114,25 @@ class DraftPolicy:
         if not self.adaptive or tokens <= 0:
             return
         if requests.bit_length() != self.bucket:
-            self.bucket, self.seconds, self.probe_in, self.confirming = requests.bit_length(), {}, 0, None
-        mode, per = ("draft" if drafted else "plain"), seconds / tokens
-        if drafted == self.drafting:             # the running mode: an average over its steps
-            self.seconds[mode] = per if mode not in self.seconds else (1 - EMA) * self.seconds[mode] + EMA * per
+            self.bucket, self.measured, self.probe_in, self.confirming = requests.bit_length(), {}, 0, None
+        mode, step = ("draft" if drafted else "plain"), (seconds, float(tokens))
+        if drafted == self.drafting:             # the running mode: averages over its steps
+            old = self.measured.get(mode)
+            self.measured[mode] = step if old is None else tuple((1 - EMA) * o + EMA * n for o, n in zip(old, step))
             self.probe_in -= 1
             return
-        measured_before = mode in self.seconds   # this probe may overturn a choice made on both modes' measurements
-        # a probe: things may have changed since the last one (a confirming probe: the mean of the two)
-        self.seconds[mode] = per if self.confirming is None else 0.5 * (self.confirming + per)
-        if self.seconds.keys() < {"draft", "plain"}:
+        measured_before = mode in self.measured  # this probe may overturn a choice made on both modes' measurements
+        # a probe: things may have changed since the last one (a confirming probe: the two steps together)
+        self.measured[mode] = step if self.confirming is None else tuple(map(sum, zip(self.confirming, step)))
+        if self.measured.keys() < {"draft", "plain"}:
             return
-        draft, plain = self.seconds["draft"], self.seconds["plain"]       # a probe of the other mode: choose again
+        draft, plain = (s / t for s, t in (self.measured["draft"], self.measured["plain"]))   # a probe: choose again
         better = draft < plain
         # One step's tokens are luck as much as speed (a drafting step of a drafter that is seldom right emits two
         # tokens now and then, halving its time per token), and a switch on it lasts backoff steps: a probe that
         # would switch is taken once more first, probe_in staying spent, and the two decide together.
         if better != self.drafting and measured_before and self.confirming is None:
-            self.confirming = per
+            self.confirming = step
             return
         self.confirming = None
         self.backoff = min(2 * self.backoff, MAX_BACKOFF) if better == self.drafting else BACKOFF

@@ -50,11 +50,24 @@ def test_one_lucky_probe_does_not_switch_the_gate_two_winning_ones_do():
     assert chosen.endswith("p") and policy.drafting is False and policy.draft_this_step() is True
     policy.step_done(True, 1.0, 2, requests=1)          # a probe whose drafts were accepted by chance: 0.5 s a token
     assert policy.drafting is False and policy.draft_this_step() is True              # taken once more first
-    policy.step_done(True, 2.0, 1, requests=1)          # the drafter's usual: together 1.25 s a token, plain 1.0
+    policy.step_done(True, 2.4, 1, requests=1)          # the drafter's usual: together 3.4 s for 3 tokens, plain 1.0
     assert policy.drafting is False and policy.draft_this_step() is False
     assert _steps(policy, 2 * 4 * dp.BACKOFF, draft_s=2.0, plain_s=1.0).count("D") == 1      # backed off further
     chosen = _steps(policy, 4 * dp.MAX_BACKOFF, draft_s=0.4, plain_s=1.0)    # the drafter starts paying
     assert policy.drafting is True and chosen[chosen.index("D"):].startswith("DD")
+
+
+def test_the_gate_rates_a_mode_by_its_seconds_over_its_tokens_not_by_an_average_of_each_steps_rate():
+    policy, chosen, drafting_steps = DraftPolicy(gamma=5), "", 0
+    for _ in range(200):
+        drafted = policy.draft_this_step()
+        tokens = (5 if drafting_steps % 2 == 0 else 1) if drafted else 1     # drafts accepted every other step
+        drafting_steps += drafted
+        policy.step_done(drafted, 2.0 if drafted else 1.0, tokens, requests=1)
+        chosen += "D" if drafted else "p"
+    # drafting emits 6 tokens in 4 s, 0.67 s a token against plain's 1 s; the average of its steps' rates (0.4 and
+    # 2.0 s a token, about 1.2 s however they are weighted in turn) would rate it slower and close the gate
+    assert policy.drafting is True and chosen.count("p") <= 3
 
 
 def test_a_request_verifies_what_its_running_acceptance_says_survives_and_pauses_when_nothing_does():
