@@ -73,22 +73,23 @@ def draft_blocks(model, seqs: list[Sequence], ring: int | None = None) -> Blocks
     anchors = anchors_of(seqs)
     n = len(anchors)
     ring = ring or ring_rows(model)
-    # ring rows: anchor s holds positions [p + 1 - W, p + 1) of its conversation, in slot s at row q % W
-    dest, src = [], []
-    for s, (c, p) in enumerate(anchors):
-        for q in range(max(0, p + 1 - ring), p + 1):
-            dest.append(s * ring + q % ring)
-            src.append(int(offsets[c]) + q)
-    dest, src = torch.tensor(dest), torch.tensor(src)
+    conv = torch.tensor([c for c, _ in anchors])                                               # [n]
+    committed = torch.tensor([p for _, p in anchors])                                          # [n] p
+    # ring rows: anchor s holds positions q in [p + 1 - W, p + 1) of its conversation, in slot s at row q % W
+    q = committed[:, None] - torch.arange(ring)                                                # [n, W]
+    held = q >= 0
+    dest = (torch.arange(n)[:, None] * ring + q % ring)[held]
+    src = (offsets[conv][:, None] + q)[held]
     everywhere = Batch(torch.zeros_like(positions), positions, (len(positions),), (0,))
     rings = []
     for layer, lp in zip(model.stages, params.drafter):
         rows = mod.ring_entry(lp, main_x, everywhere, layer, cfg, model.rope)                 # [T, D]
         pool = torch.zeros((n + 1) * ring, rows.shape[-1], dtype=rows.dtype).index_copy(0, dest, rows[src])
         rings.append(LayerPools(pool.view(n + 1, ring, -1), None, None))
-    anchor_rows = torch.tensor([int(offsets[c]) + p + 1 for c, p in anchors])                 # the anchors' rows
-    tokens = torch.stack([torch.tensor([seqs[c].ids[p + 1]] + [noise] * (gamma - 1)) for c, p in anchors]).view(-1)
-    block_pos = (anchor_rows - offsets[torch.tensor([c for c, _ in anchors])])[:, None] + torch.arange(gamma)
+    anchor_rows = offsets[conv] + committed + 1                                                # the anchors' rows
+    ids = torch.tensor([t for s in seqs for t in s.ids])                                       # [T]
+    tokens = torch.cat((ids[anchor_rows][:, None], torch.full((n, gamma - 1), noise)), dim=1).view(-1)  # [n * gamma]
+    block_pos = (committed + 1)[:, None] + torch.arange(gamma)
     batch = Batch(tokens, block_pos.view(-1), (gamma,) * n, tuple(p + 1 for _, p in anchors))
     batch = batch._replace(state=ring_addressing(batch.seq_lens, list(range(n)), [p + 1 for _, p in anchors], n,
                                                  model.facts.block_tokens, model.facts.logical_block_tokens))
@@ -96,7 +97,7 @@ def draft_blocks(model, seqs: list[Sequence], ring: int | None = None) -> Blocks
     base, y = base.double().view(n, gamma, -1), y.double().view(n, gamma, -1)
     # the target at the rows that predict each block position's token: anchor row + k
     rows = anchor_rows[:, None] + torch.arange(gamma)                                        # [n, gamma]
-    ends = torch.tensor([int(offsets[c]) + len(seqs[c].ids) - 1 for c, _ in anchors])
+    ends = offsets[conv + 1] - 1                                                               # [n] last rows
     valid = rows < ends[:, None]                                     # the predicted token lies in the conversation
     p_t = torch.softmax(logits_t[rows.clamp(max=logits_t.shape[0] - 1)], dim=-1)             # [n, gamma, V]
     greedy = p_t.argmax(-1)                                                                     # [n, gamma]
