@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                    help=f"DSpark drafter steps on the finished target; 0: keep its initial weights (default {d.drafter_steps})")
     s.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step,
                    help=f"whole conversations per step, up to this many tokens (default {d.tokens_per_step})")
+    s.add_argument("--drafter-tokens-per-step", type=int, default=d.drafter_tokens_per_step,
+                   help=f"the same for a drafter step (default {d.drafter_tokens_per_step})")
     s.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     s.add_argument("--eval-per-task", type=int, default=d.eval_per_task,
                    help=f"held-out questions per task scored at the end; 0: none (default {d.eval_per_task})")
@@ -37,7 +39,8 @@ def _run(args) -> int:
     from lib.weights.tiny_checkpoint import TRAINING_RECORD
 
     config = TrainConfig(seed=args.seed, steps=args.steps, drafter_steps=args.drafter_steps,
-                         tokens_per_step=args.tokens_per_step, lr=args.lr, eval_per_task=args.eval_per_task,
+                         tokens_per_step=args.tokens_per_step, drafter_tokens_per_step=args.drafter_tokens_per_step,
+                         lr=args.lr, eval_per_task=args.eval_per_task,
                          data_parallel_size=args.data_parallel_size)
     with Stages("train-tiny")(f"training {args.steps} steps of up to {args.tokens_per_step} tokens, seed {args.seed}"):
         record = train_tiny(args.out, config, overwrite=args.force,

@@ -45,6 +45,7 @@ class TrainConfig(NamedTuple):
     steps: int = 2400
     drafter_steps: int = 300        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
+    drafter_tokens_per_step: int = 2048   # the same for a drafter step
     lr: float = 2e-3
     eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
     preset: str = "trained"
@@ -56,8 +57,9 @@ def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool =
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass --force to replace it)")
-    if config.steps < 1 or config.tokens_per_step < 64:
-        raise ValueError(f"--steps must be >= 1 and --tokens-per-step >= 64, got {config.steps} and {config.tokens_per_step}")
+    if config.steps < 1 or min(config.tokens_per_step, config.drafter_tokens_per_step) < 64:
+        raise ValueError(f"--steps must be >= 1 and --tokens-per-step and --drafter-tokens-per-step >= 64, got "
+                         f"{config.steps}, {config.tokens_per_step} and {config.drafter_tokens_per_step}")
     if config.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     started = time.monotonic()
@@ -68,7 +70,7 @@ def train_tiny(out: Path, config: TrainConfig = TrainConfig(), overwrite: bool =
     trained_s = time.monotonic() - started
     path = write_trained(out, model.params, cfg, tokenizer, overwrite=overwrite)
     record = {"command": f"dsv4gen train-tiny --out {out} --seed {config.seed} --steps {config.steps} "
-                         f"--drafter-steps {config.drafter_steps} "
+                         f"--drafter-steps {config.drafter_steps} --drafter-tokens-per-step {config.drafter_tokens_per_step} "
                          f"--tokens-per-step {config.tokens_per_step} --lr {config.lr} "
                          f"--data-parallel-size {config.data_parallel_size}",
               "config": config._asdict(), "torch": torch.__version__, "threads_per_rank": threads,
@@ -157,7 +159,7 @@ def _train_drafter(model, stream: TrainingStream, config: TrainConfig, share, pr
     losses, accepted = [], []
     with tqdm(total=config.drafter_steps, desc="training the DSpark drafter", unit="step", disable=not progress) as bar:
         for _ in range(config.drafter_steps):
-            loss, acc = trainer.step(stream.batch(config.tokens_per_step), share)
+            loss, acc = trainer.step(stream.batch(config.drafter_tokens_per_step), share)
             losses.append(loss)
             accepted.append(acc)
             bar.update(1)

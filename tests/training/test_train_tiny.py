@@ -133,11 +133,11 @@ def test_export_reloads_to_the_weights_it_was_given(tiny_ckpt, tmp_path):
 def test_train_tiny_runs_end_to_end_and_records_what_it_did(tmp_path, capsys):
     out = tmp_path / "trained"
     assert main(["train-tiny", "--out", str(out), "--steps", "3", "--drafter-steps", "2", "--tokens-per-step", "256",
-                 "--eval-per-task", "1"]) == 0
+                 "--drafter-tokens-per-step", "256", "--eval-per-task", "1"]) == 0
     printed = capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
     assert record["config"]["steps"] == 3 and record["tokens"] > 0 and record["training_seconds"] > 0
-    assert record["drafter_loss_first_20"] > 0 and "--drafter-steps 2" in record["command"]
+    assert record["drafter_loss_first_20"] > 0 and "--drafter-steps 2 --drafter-tokens-per-step 256" in record["command"]
     assert record["config"]["data_parallel_size"] == 2 and "--data-parallel-size 2" in record["command"]
     held = record["heldout"]
     assert set(held["accuracy"]) == {"arithmetic", "counting", "copying", "facts", "retrieval", "tool_call"}
@@ -156,7 +156,7 @@ def test_the_same_seed_trains_the_same_weights_byte_for_byte(tmp_path):
     def run(name: str, seed: int, steps: int) -> dict[str, bytes]:
         out = tmp_path / name
         assert main(["train-tiny", "--out", str(out), "--seed", str(seed), "--steps", str(steps), "--drafter-steps",
-                     "2", "--tokens-per-step", "256", "--eval-per-task", "0"]) == 0
+                     "2", "--tokens-per-step", "256", "--drafter-tokens-per-step", "256", "--eval-per-task", "0"]) == 0
         return {f.name: f.read_bytes() for f in sorted(out.glob("model-*.safetensors"))}
 
     first, again, other = run("a", 0, 3), run("b", 0, 3), run("c", 1, 1)
