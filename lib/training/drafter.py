@@ -90,8 +90,9 @@ def draft_blocks(model, seqs: list[Sequence], ring: int | None = None) -> Blocks
     ids = torch.tensor([t for s in seqs for t in s.ids])                                       # [T]
     tokens = torch.cat((ids[anchor_rows][:, None], torch.full((n, gamma - 1), noise)), dim=1).view(-1)  # [n * gamma]
     block_pos = (committed + 1)[:, None] + torch.arange(gamma)
-    batch = Batch(tokens, block_pos.view(-1), (gamma,) * n, tuple(p + 1 for _, p in anchors))
-    batch = batch._replace(state=ring_addressing(batch.seq_lens, list(range(n)), [p + 1 for _, p in anchors], n,
+    starts = (committed + 1).tolist()                                                          # each block's first position
+    batch = Batch(tokens, block_pos.view(-1), (gamma,) * n, tuple(starts))
+    batch = batch._replace(state=ring_addressing(batch.seq_lens, list(range(n)), starts, n,
                                                  model.facts.block_tokens, model.facts.logical_block_tokens))
     base, y = mod.draft(params, batch, tuple(rings), cfg, model.rope)
     base, y = base.double().view(n, gamma, -1), y.double().view(n, gamma, -1)
