@@ -37,6 +37,8 @@ def add_parser(sub, backend_names: list[str], model_path, load_options) -> None:
     s.add_argument("--preconverted", help="folder written by `dsv4gen convert` (default: inside --model)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--out", help="also write the JSON report to this file")
+    s.add_argument("--log-samples", metavar="FILE",
+                   help="also write every question with its expected and generated reply, a JSON line each")
     s.set_defaults(func=lambda args: _run(args, model_path, load_options))
 
 
@@ -63,6 +65,10 @@ def _run(args, model_path, load_options) -> int:
     for flag in ("per_task", "gap_windows", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("out", "log_samples"):          # checked before the run, not after it
+        target = getattr(args, flag) and Path(getattr(args, flag))
+        if target and not target.parent.is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {target}: no folder {target.parent} to write it in")
     path = model_path(args)
     tok = Tokenizer.from_dir(path)
     stages = Stages(f"eval {args.backend}")
@@ -87,12 +93,18 @@ def _run(args, model_path, load_options) -> int:
     result = suite.report(runs, backend=args.backend, model=str(path), seed=args.seed, per_task=args.per_task,
                           retrieval_gap_tokens=gap)
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(out)
+        _write(Path(args.out), json.dumps(result, indent=2) + "\n")
+    if args.log_samples:
+        _write(Path(args.log_samples), "".join(json.dumps(line) + "\n" for line in suite.samples(runs)))
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: a file beside it, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def format_report(result: dict) -> str:

@@ -13,6 +13,7 @@ from lib.engine.sampling import SamplingParams
 from lib.evaluation.scoring import is_correct
 from lib.evaluation.tasks import Example, examples
 from lib.text.chat_encoding import encode_messages
+from lib.text.tokenizer import EOS
 
 GAP_WINDOWS = 8           # retrieval: sliding windows between the asked record and the question (the issue's bar)
 SLACK_TOKENS = 8          # generated beyond the answer's own length before a reply counts as not ending
@@ -54,7 +55,7 @@ def prompt_text(example: Example) -> str:
 
 
 def reply_text(example: Example) -> str:
-    """The assistant turn the example expects, as the chat encoding writes it (end of sentence left out)."""
+    """The assistant turn the example expects, as the chat encoding writes it (its end of sentence included)."""
     full = encode_messages([*example.messages, example.reply], tools=list(example.tools) if example.tools else None,
                            add_generation_prompt=False)
     prompt = prompt_text(example)
@@ -104,6 +105,21 @@ def run(engine, tokenizer, exs: list[Example], progress=None) -> SuiteRun:
     return SuiteRun(tuple(outcomes), tuple(d - d0 for d, d0 in zip(engine.drafted, drafted0)),
                     tuple(a - a0 for a, a0 in zip(engine.accepted, accepted0)), seconds,
                     sum(len(g) for g in generated.values()))
+
+
+def samples(runs: dict[str, SuiteRun]) -> list[dict]:
+    """One record per run and question (what `dsv4gen eval --log-samples` writes, a line each): the question as the
+    user asked it, the reply the example expects and the one generated, both as the chat encoding writes them
+    (markup kept, end of sentence left out), and whether it counted as correct."""
+    out = []
+    for name, r in runs.items():
+        for i, o in enumerate(r.outcomes):
+            ex = o.example
+            out.append({"run": name, "task": ex.task, "index": i, "question": ex.messages[-1]["content"],
+                        "tools": [t["function"]["name"] for t in ex.tools or ()],
+                        "expected": reply_text(ex).removesuffix(EOS),
+                        "reply": o.reply, "correct": o.correct})
+    return out
 
 
 def report(runs: dict[str, SuiteRun], **about) -> dict:

@@ -54,6 +54,8 @@ def test_eval_names_what_is_wrong(tiny_ckpt, capsys):
     assert "poetry" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_ckpt), "--per-task", "0"]) == 2
     assert "--per-task must be at least 1" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_ckpt), "--log-samples", "/nonexistent/samples.jsonl"]) == 2
+    assert "--log-samples /nonexistent/samples.jsonl: no folder /nonexistent" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["none", "dspark"])

@@ -43,9 +43,9 @@ def _arguments(command: str) -> list[str]:
 
 
 def test_eval_defaults_to_the_shipped_checkpoint_and_it_answers(tmp_path, capsys):
-    out = tmp_path / "eval.json"
+    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     assert main(["eval", "--tasks", "copying,facts,tool_call", "--per-task", "10", "--speculative", "none",
-                 "--json", "--out", str(out)]) == 0
+                 "--json", "--out", str(out), "--log-samples", str(samples)]) == 0
     printed = capsys.readouterr()
     assert f"using the shipped trained tiny checkpoint {shipped_trained()}" in printed.err
     report = json.loads(out.read_text())
@@ -53,3 +53,11 @@ def test_eval_defaults_to_the_shipped_checkpoint_and_it_answers(tmp_path, capsys
     assert set(accuracy) == {"copying", "facts", "tool_call"}
     # a random checkpoint gets none of these (docs/training.md); the shipped one most of them
     assert all(a >= 0.8 for a in accuracy.values()), accuracy
+    # --log-samples: a line per question, the same verdicts as the report, a right reply the expected one whole
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(lines) == 30 and {line["run"] for line in lines} == {"plain"}
+    for task, r in report["runs"]["plain"]["accuracy"].items():
+        assert sum(line["correct"] for line in lines if line["task"] == task) == r["correct"]
+    assert all(line["reply"] == line["expected"] for line in lines if line["correct"] and line["task"] != "tool_call")
+    assert all(line["tools"] == (["get_weather", "set_alarm", "send_message"] if line["task"] == "tool_call" else [])
+               for line in lines)
