@@ -55,6 +55,7 @@ def _tasks(text: str) -> tuple[str, ...]:
 def _run(args, model_path, load_options) -> int:
     from tqdm import tqdm
 
+    from lib.bench import report as files        # whole files or none (written beside, renamed over)
     from lib.engine.llm_engine import Engine, EngineConfig
     from lib.evaluation import suite
     from lib.runtime.loaded_model import load_model
@@ -66,9 +67,9 @@ def _run(args, model_path, load_options) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     for flag in ("out", "log_samples"):          # checked before the run, not after it
-        target = getattr(args, flag) and Path(getattr(args, flag))
-        if target and not target.parent.is_dir():
-            raise ValueError(f"--{flag.replace('_', '-')} {target}: no folder {target.parent} to write it in")
+        value = getattr(args, flag)
+        if value and not Path(value).parent.is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: no folder {Path(value).parent} to write it in")
     path = model_path(args)
     tok = Tokenizer.from_dir(path)
     stages = Stages(f"eval {args.backend}")
@@ -93,18 +94,11 @@ def _run(args, model_path, load_options) -> int:
     result = suite.report(runs, backend=args.backend, model=str(path), seed=args.seed, per_task=args.per_task,
                           retrieval_gap_tokens=gap)
     if args.out:
-        _write(Path(args.out), json.dumps(result, indent=2) + "\n")
+        files.write_json(Path(args.out), result)
     if args.log_samples:
-        _write(Path(args.log_samples), "".join(json.dumps(line) + "\n" for line in suite.samples(runs)))
+        files.write_text(Path(args.log_samples), "".join(json.dumps(line) + "\n" for line in suite.samples(runs)))
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
-
-
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: a file beside it, renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def format_report(result: dict) -> str:
