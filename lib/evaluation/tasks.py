@@ -64,9 +64,13 @@ def worked(a: int, op: str, b: int) -> str:
     borrow, then tens less it) and copies the order again just before its result ("..., 68>47 so 47-68=-21"), so
     that the sign is read from tokens a few places back rather than from the order step at the window's edge; a
     product names the smaller factor first (7*8 and 8*7 share their step) and splits a factor of 10-12 into ten and
-    the rest. The question is restated first, where it is a copy of the tokens just before, and the closing
-    restatement can copy that one: from the user's turn past the steps, a product's operands sat more than one 32-token sliding window back and were misread (from the reply's
-    start, a sum's always sit within it, a difference's in about 2 cases of 10, a product's in about 6 of 10).
+    the rest, after writing which factor is larger as a difference does ("12*11: 12>11, 11*10=110, ..."), so that
+    the factor worked first is copied from just before rather than found by comparing the question's operands (a
+    model that compared them took the first as the smaller in 12*11 and 11*10). The question is restated first,
+    where it is a copy of the tokens just before, and the closing restatement can copy that one: from the user's
+    turn past the steps, a product's operands sat more than one 32-token sliding window back and were misread (from
+    the reply's start, a sum's always sit within it, a difference's in about 2 cases of 10, a product's in about 6
+    of 10).
     """
     head = f"{a}{op}{b}: "
     if op == "+":
@@ -86,7 +90,9 @@ def worked(a: int, op: str, b: int) -> str:
     if big < 10:
         return f"{head}{small}*{big}={a * b}, so {a}*{b}={a * b}"
     rest = small * (big - 10)
-    return f"{head}{small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, so {a}*{b}={a * b}"
+    order = f"{big}>{small}" if big != small else f"{a}={b}"
+    return (f"{head}{order}, {small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, "
+            f"so {a}*{b}={a * b}")
 
 
 def _arithmetic_split(split: str, a: int, op: str, b: int) -> bool:
@@ -94,6 +100,11 @@ def _arithmetic_split(split: str, a: int, op: str, b: int) -> bool:
     # held-out one could only be guessed; every such question is a training one.
     if op == "*" and a < 10 and b < 10:
         return split == "train"
+    # A product is worked with the same steps as its mirror b*a (`worked` puts the smaller operand first), and some
+    # steps (10*0, 11*2) appear in no other question: a held-out product's mirror is a training question, so a
+    # square (its own mirror) is a training one.
+    if op == "*":
+        return (_in_split("heldout", a, op, b) and not _in_split("heldout", b, op, a)) == (split == "heldout")
     return _in_split(split, a, op, b)
 
 
@@ -163,10 +174,37 @@ FACT_QUESTIONS = {
 }
 
 
+# words a training fact question may carry besides its phrasing (none of them in a held-out phrasing)
+FILLERS = ("really", "exactly", "please", "now", "again", "today", "actually", "just", "also", "kindly", "then",
+           "well", "here", "still", "truly", "simply", "quickly", "once", "perhaps", "so")
+OPENINGS = ("Quick question: ", "Tell me this: ", "Hi! ", "I wonder: ", "Please answer. ", "Hello. ")
+CLOSINGS = (" Thanks.", " One word, please.", " Just the answer.", " Thank you!")
+
+
+def _loosened(rng: random.Random, question: str) -> str:
+    """A training phrasing with, half of the time, a filler word at a random place, and now and then an opening or a
+    closing: the relation's word and the place decide the answer, not the words around them. Trained on the bare
+    phrasings, runs that differed only in their arithmetic questions or the tasks' shares answered a held-out phrasing
+    ("What is the main language of X?") from 31% to 92% of the time, each right on 98% or more of the training
+    phrasings."""
+    words = question.split(" ")
+    if rng.random() < 0.5:
+        words.insert(rng.randrange(len(words) + 1), rng.choice(FILLERS))
+    out = " ".join(words)
+    if rng.random() < 0.3:
+        out = rng.choice(OPENINGS) + out
+    if rng.random() < 0.3:
+        out += rng.choice(CLOSINGS)
+    return out
+
+
 def facts(rng: random.Random, split: str) -> Example:
     fact = rng.choice(fact_table())
     phrasings = FACT_QUESTIONS[fact.relation]
-    question = (phrasings[-1] if split == "heldout" else rng.choice(phrasings[:-1])).format(x=fact.place)
+    if split == "heldout":
+        question = phrasings[-1].format(x=fact.place)
+    else:
+        question = _loosened(rng, rng.choice(phrasings[:-1]).format(x=fact.place))
     return Example("facts", _user(question), None, _answer(fact.value))
 
 

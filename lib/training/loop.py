@@ -43,11 +43,11 @@ TRAINING_DTYPE = torch.float32
 class TrainConfig(NamedTuple):
     seed: int = 0
     steps: int = 2400
-    drafter_steps: int = 300        # DSpark drafter steps on the finished target
+    drafter_steps: int = 900        # DSpark drafter steps on the finished target
     tokens_per_step: int = 2048     # whole conversations per optimiser step, up to this many tokens
-    drafter_tokens_per_step: int = 2048   # the same for a drafter step
+    drafter_tokens_per_step: int = 1024   # the same for a drafter step (more, smaller steps)
     lr: float = 2e-3
-    eval_per_task: int = 50         # held-out questions per task scored at the end (0: none)
+    eval_per_task: int = 100        # held-out questions per task scored at the end (0: none)
     preset: str = "trained"
     data_parallel_size: int = 2     # processes sharing each target step's batch, the threads split among them
 

@@ -39,8 +39,16 @@ class Schedule(NamedTuple):
     lr: float = 2e-3
     warmup: int = 50
     final: float = 0.1          # the learning rate ends at this share of its peak (cosine decay)
+    average_from: float = 0.5   # share of the steps after which an exponential moving average of the weights is kept
+    average_decay: float = 0.996    # its decay per step (a time constant of 250 steps)
     weight_decay: float = 0.01
     clip: float = 1.0
+
+    @property
+    def keeps_average(self) -> bool:
+        """Whether the averaged steps span four time constants: in a shorter run the average would still be mostly
+        the weights it started from (0.996 over 20 steps keeps 92% of them), not an average of the late steps."""
+        return (1.0 - self.average_from) * self.steps * (1.0 - self.average_decay) >= 4.0
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -189,6 +197,7 @@ class TargetTrainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": schedule.weight_decay},
                                       {"params": keep, "weight_decay": 0.0}], lr=schedule.lr, betas=(0.9, 0.95))
         self.step_count = 0
+        self.average: list[torch.Tensor] | None = None      # the weights' moving average, once it starts
 
     def step(self, seqs: list[Sequence], share: Share = Share()) -> tuple[float, float]:
         """One optimiser step on the batch `seqs`: (reply cross-entropy, indexer KL; 0 without CSA entries).
@@ -210,12 +219,29 @@ class TargetTrainer:
         self.opt.step()
         loads.update_biases(share)
         self.step_count += 1
+        self._average()
         losses = torch.tensor([float(ce.detach()), 0.0 if kl is None else float(kl.detach())], dtype=torch.float64)
         ce_all, kl_all = share.sum(losses).tolist()
         return ce_all, kl_all
 
+    @torch.no_grad()
+    def _average(self) -> None:
+        # The last steps' weights move by the noise of their small batches as much as by what they learn, and which
+        # held-out questions a run gets right moves with them; the average over the late steps is what is kept.
+        if not self.schedule.keeps_average or self.step_count < self.schedule.average_from * self.schedule.steps:
+            return
+        leaves = [v for _, v in self.named]
+        if self.average is None:
+            self.average = [v.detach().clone() for v in leaves]
+        else:
+            torch._foreach_lerp_(self.average, leaves, 1.0 - self.schedule.average_decay)
+
     def finish(self) -> None:
-        """Back to inference: the weights stop requiring grad (the engine runs under inference_mode)."""
-        for _, v in self.named:
+        """Back to inference: the weights become their moving average (when kept) and stop requiring grad (the engine
+        runs under inference_mode)."""
+        for i, (_, v) in enumerate(self.named):
             v.requires_grad_(False)
             v.grad = None
+            if self.average is not None:
+                v.copy_(self.average[i])
+        self.average = None

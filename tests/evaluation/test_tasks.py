@@ -11,7 +11,8 @@ import pytest
 from lib.evaluation.names import PLACES, fact_table
 from lib.evaluation.scoring import is_correct
 from lib.evaluation.suite import prompt_text, reply_text
-from lib.evaluation.tasks import TASKS, arithmetic_edges, examples, worked
+from lib.evaluation.tasks import (CLOSINGS, FACT_QUESTIONS, FILLERS, OPENINGS, TASKS, arithmetic_edges, examples,
+                                  worked)
 from lib.text.tokenizer import EOS, Tokenizer, build_tiny_tokenizer
 
 TOK = Tokenizer(build_tiny_tokenizer(1024))
@@ -51,7 +52,8 @@ def test_the_answers_are_the_questions_answers():
             steps, again = steps.rsplit(", ", 1)
             assert again == steps.split(", ")[0], (a, b)
         for i, step in enumerate(steps.split(", ")):     # every worked step is itself true
-            if op == "-" and i == 0:                          # a difference first orders its operands
+            if i == 0 and (op == "-" or op == "*" and max(a, b) >= 10):   # a difference, or a product of a factor
+                # of 10 to 12, first orders its operands
                 assert step == (f"{max(a, b)}>{min(a, b)}" if a != b else f"{a}={b}"), step
                 continue
             left, right = step.split("=")
@@ -66,6 +68,18 @@ def test_the_answers_are_the_questions_answers():
     for e in examples("facts", "heldout", 30):
         place = e.messages[0]["content"].rstrip("?.").split()[-1]
         assert e.reply["content"] in {v for (p, _), v in table.items() if p == place}
+    # a training question is a training phrasing of its fact, with at most a filler word, an opening and a closing
+    for e in examples("facts", "train", 200):
+        question = e.messages[0]["content"]
+        for opening in OPENINGS:
+            question = question.removeprefix(opening)
+        for closing in CLOSINGS:
+            question = question.removesuffix(closing)
+        words = question.split(" ")
+        bare = {" ".join(words)} | {" ".join(words[:i] + words[i + 1:])
+                                     for i in range(len(words)) if words[i] in FILLERS}
+        assert any(p.format(x=place) in bare and table[place, relation] == e.reply["content"]
+                   for (place, relation) in table for p in FACT_QUESTIONS[relation][:-1]), e.messages[0]["content"]
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "counting", "copying", "facts", "tool_call"])
@@ -134,6 +148,9 @@ def test_a_times_table_entry_is_a_training_question_and_never_held_out():
     assert products and all(max(a, b) >= 10 for a, b in products)      # worked from table entries, never one
     train = {_operands(e) for e in examples("arithmetic", "train", 4000)}
     assert {(a, "*", b) for a in range(10) for b in range(10)} <= train
+    # and its mirror, worked with the same steps, is a training question (so no square is held out: 10*10's step
+    # 10*0 is in no other question)
+    assert all((b, "*", a) in train for a, b in products) and not any(a == b for a, b in products)
 
 
 def test_the_edge_draws_are_the_rare_kinds_and_keep_the_split():

@@ -107,6 +107,28 @@ def test_training_lowers_the_reply_loss_distils_the_indexer_and_balances_the_exp
     assert not any(k.startswith(f"{len(model.params.layers)}.") for k in changed)                # the drafter waits
 
 
+def test_the_weights_kept_are_the_moving_average_of_the_late_steps(tiny_ckpt):
+    """Averaged over four time constants or more, finish() writes the late steps' exponential moving average into the
+    weights; over fewer (a smoke run), the last step's weights are kept as they are."""
+    batch = TrainingStream(task_tokenizer(1024), 16, seed=2).batch(200)
+    for steps, averaged in ((8, True), (6, False)):
+        model = load_model(tiny_ckpt)
+        schedule = Schedule(steps=steps, lr=3e-3, warmup=1, average_from=0.0, average_decay=0.5)
+        assert schedule.keeps_average == averaged
+        trainer = TargetTrainer(model, schedule)
+        expected = None
+        for _ in range(steps):
+            trainer.step(batch)
+            now = [v.detach().clone() for _, v in trainer.named]
+            expected = now if expected is None or not averaged else [e.lerp(n, 0.5) for e, n in zip(expected, now)]
+        last = [v.detach().clone() for _, v in trainer.named]
+        trainer.finish()
+        kept = [v for _, v in trainer.named]
+        assert all(torch.allclose(k, e, rtol=0, atol=1e-6) for k, e in zip(kept, expected))
+        assert any(not torch.equal(k, x) for k, x in zip(kept, last)) == averaged
+    assert Schedule(steps=2400).keeps_average and not Schedule(steps=40).keeps_average
+
+
 def test_the_distillation_target_is_the_attention_over_every_visible_entry():
     from lib.training.indexer import Distillation
 
