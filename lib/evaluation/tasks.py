@@ -73,24 +73,22 @@ def worked(a: int, op: str, b: int) -> str:
     of 10).
     """
     head = f"{a}{op}{b}: "
+    big, small = max(a, b), min(a, b)
+    order = f"{big}>{small}" if big != small else f"{a}={b}"    # a difference's and a two-digit product's first step
     if op == "+":
         units = a % 10 + b % 10
         tens = a // 10 + b // 10 + units // 10
         return f"{head}{a % 10}+{b % 10}={units}, {a // 10}+{b // 10}+{units // 10}={tens}, so {a}+{b}={a + b}"
     if op == "-":
-        big, small = max(a, b), min(a, b)
         borrow = int(big % 10 < small % 10)
         units = f"{'1' if borrow else ''}{big % 10}-{small % 10}={big % 10 + 10 * borrow - small % 10}"
         tens = f"{big // 10}-{small // 10}-{borrow}={big // 10 - small // 10 - borrow}"
-        order = f"{big}>{small}" if big != small else f"{a}={b}"
         return f"{head}{order}, {units}, {tens}, {order} so {a}-{b}={a - b}"
     if op != "*":
         raise ValueError(f"arithmetic: unknown operator {op!r} (one of + - *)")
-    small, big = min(a, b), max(a, b)
     if big < 10:
         return f"{head}{small}*{big}={a * b}, so {a}*{b}={a * b}"
     rest = small * (big - 10)
-    order = f"{big}>{small}" if big != small else f"{a}={b}"
     return (f"{head}{order}, {small}*10={small * 10}, {small}*{big - 10}={rest}, {small * 10}+{rest}={a * b}, "
             f"so {a}*{b}={a * b}")
 
@@ -183,10 +181,7 @@ CLOSINGS = (" Thanks.", " One word, please.", " Just the answer.", " Thank you!"
 
 def _loosened(rng: random.Random, question: str) -> str:
     """A training phrasing with, half of the time, a filler word at a random place, and now and then an opening or a
-    closing: the relation's word and the place decide the answer, not the words around them. Trained on the bare
-    phrasings, runs that differed only in their arithmetic questions or the tasks' shares answered a held-out phrasing
-    ("What is the main language of X?") from 31% to 92% of the time, each right on 98% or more of the training
-    phrasings."""
+    closing: the relation's word and the place decide the answer, not the template around them (docs/training.md)."""
     words = question.split(" ")
     if rng.random() < 0.5:
         words.insert(rng.randrange(len(words) + 1), rng.choice(FILLERS))

@@ -219,18 +219,17 @@ class TargetTrainer:
         self.opt.step()
         loads.update_biases(share)
         self.step_count += 1
-        self._average()
+        self._average(leaves)
         losses = torch.tensor([float(ce.detach()), 0.0 if kl is None else float(kl.detach())], dtype=torch.float64)
         ce_all, kl_all = share.sum(losses).tolist()
         return ce_all, kl_all
 
     @torch.no_grad()
-    def _average(self) -> None:
+    def _average(self, leaves: list[torch.Tensor]) -> None:
         # The last steps' weights move by the noise of their small batches as much as by what they learn, and which
         # held-out questions a run gets right moves with them; the average over the late steps is what is kept.
         if not self.schedule.keeps_average or self.step_count < self.schedule.average_from * self.schedule.steps:
             return
-        leaves = [v for _, v in self.named]
         if self.average is None:
             self.average = [v.detach().clone() for v in leaves]
         else:
