@@ -19,6 +19,11 @@ completion on a fresh `lib.engine.llm_engine.Engine` (`engine.generate`), in fou
                             reference plain run). The real drafter still runs (its cost is kept);
                             only its tokens are replaced. An upper bound: every draft is accepted.
 
+Each cell reports generated tokens/s over the whole run (prefill included), and the decode time per token a user
+sees: the requests' seconds from their first token to their last over their tokens after the first. At batch 1 that
+is each request's own decoding, its prefill (the same work in every mode) left out; in a batch it also holds the
+steps a request shares with the prefill chunks of requests admitted after it.
+
 Every run's outputs must equal the plain greedy outputs of the reference run (exit 1 otherwise).
 This is a benchmark, not a test: nothing here asserts a speed.
 """
@@ -153,6 +158,7 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
     oracle = {"drafter": oracle_drafter(references)} if mode == "oracle" else {}
     engine = Engine(model, config, tokenizer=tokenizer, **oracle)
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
     steps = 0
     real_step = engine.step
 
@@ -162,8 +168,9 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
         now = time.perf_counter()
         steps += 1
         for o in outputs:
-            if o.new_tokens and o.request_id not in first:
-                first[o.request_id] = now
+            if o.new_tokens:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
         return outputs
 
     engine.step = step
@@ -172,13 +179,20 @@ def run_once(model, prompts: list[list[int]], tokens: int, mode: str, references
     wall = time.perf_counter() - t0
     generated = sum(len(r.output) for r in reqs)
     ttft = [first[r.id] - t0 for r in reqs]
+    # decoding as each request's user sees it, prefill left out: the seconds from its first token to its last, over
+    # the tokens after its first. Summed over the requests before dividing, so a reply of two tokens (a round that
+    # drafted in vain) counts for one token, not as much as a reply of forty.
+    decode_s = sum(last[r.id] - first[r.id] for r in reqs)
+    decode_tokens = sum(len(r.output) - 1 for r in reqs)
     drafted, accepted = list(engine.drafted), list(engine.accepted)
     per_step = sum(accepted) / drafted[0] if drafted and drafted[0] else None
     return {
         "mode": mode, "label": LABELS[mode], "speculative": SPECULATIVE[mode],
         "batch": concurrency or len(prompts), "requests": len(prompts),
         "max_tokens": tokens, "generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall,
-        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_s": ttft, "engine_steps": steps,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_s": ttft,
+        "decode_s": decode_s, "decode_tokens": decode_tokens,
+        "decode_s_per_token": decode_s / decode_tokens if decode_tokens else None, "engine_steps": steps,
         "gamma": engine.gamma, "drafted": drafted, "accepted": accepted,
         "dspark_steps": drafted[0] if drafted else 0,
         "mean_accepted_per_dspark_step": per_step,
@@ -198,6 +212,10 @@ def check_lossless(run: dict, prompts: list[list[int]], references) -> str | Non
                     f"from the plain greedy reference at output token {at}: got {out[at:at + 4]}, "
                     f"expected {ref[at:at + 4]} (lengths {len(out)} / {len(ref)})")
     return None
+
+
+def _ratio(plain: float | None, mode: float | None) -> float | None:
+    return None if plain is None or not mode else plain / mode
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -224,6 +242,11 @@ def table(result: dict) -> str:
     section("ratio to plain tokens/s", DRAFTING,
             lambda m, b: result["speedup"][m][str(b)], ".2f", "x")
     section("time to first token, mean ms", MODES, lambda m, b: 1e3 * cell[m, b]["ttft_mean_s"], ".0f")
+    section("decode ms per token after each request's first (prefill left out)", MODES,
+            lambda m, b: None if cell[m, b]["decode_s_per_token"] is None else 1e3 * cell[m, b]["decode_s_per_token"],
+            ".1f")
+    section("ratio of plain decode ms per token to DSpark's", DRAFTING,
+            lambda m, b: result["decode_speedup"][m][str(b)], ".2f", "x")
     section(f"accepted drafts per DSpark step (mean, of gamma={result['gamma']})", DRAFTING,
             lambda m, b: cell[m, b]["mean_accepted_per_dspark_step"], ".2f")
     section("tokens per target forward (per request)", MODES,
@@ -304,12 +327,15 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
         best["wall_s_all"] = [r["wall_s"] for r in cell_tries]
         best["tokens_per_s_all"] = [r["tokens_per_s"] for r in cell_tries]
         best["ttft_mean_s_all"] = [r["ttft_mean_s"] for r in cell_tries]
+        best["decode_s_per_token_all"] = [r["decode_s_per_token"] for r in cell_tries]
         runs.append(best)
 
     gamma = next((r["gamma"] for r in runs if r["gamma"]), 0)
     cell = {(r["mode"], r["batch"]): r for r in runs}
     speedup = {m: {str(b): cell[m, b]["tokens_per_s"] / cell["plain", b]["tokens_per_s"] for b in args.batches}
                for m in DRAFTING}
+    decode_speedup = {m: {str(b): _ratio(cell["plain", b]["decode_s_per_token"], cell[m, b]["decode_s_per_token"])
+                          for b in args.batches} for m in DRAFTING}
     result = {
         "command": command, "argv": argv, "backend": args.backend, "checkpoint": str(path),
         "embedded_tiny": not args.checkpoint, "prompts": args.prompts, "tasks": list(args.tasks or ()),
@@ -322,7 +348,7 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
         "load_average_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "model_load_s": load_s, "reference_run_s": reference_s,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
-        "speedup": speedup, "lossless": not failures, "lossless_failures": failures,
+        "speedup": speedup, "decode_speedup": decode_speedup, "lossless": not failures, "lossless_failures": failures,
     }
     result["total_wall_s"] = time.perf_counter() - started
 
@@ -332,7 +358,9 @@ def _run(args: argparse.Namespace, argv: list[str], command: str) -> int:
     print("notes:")
     per_cell = "one run per cell" if args.repeats == 1 else f"the fastest of {args.repeats} runs per cell"
     print("  - tokens/s = generated tokens / wall clock from submitting all requests to the last finishing")
-    print(f"    ({per_cell}; model load excluded, prefill included); time to first token is from submission.")
+    print(f"    ({per_cell}; model load excluded, prefill included); time to first token is from submission;")
+    print("    decode ms per token = the requests' seconds from first token to last / their tokens after the first")
+    print("    (the cell's fastest run): what speculation changes, prefill being the same work in every mode.")
     if not trained:
         print("  - this checkpoint's drafter is not trained, so real DSpark acceptance is near zero: the 'every step'")
         print("    row measures drafting + verification overhead, the 'adaptive' row how much of it the engine")

@@ -21,6 +21,7 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
     assert first.startswith("$ ") and first.endswith("python -m lib.bench.speculation --backend cpu --tokens 4 "
                                                      f"--batches 1,2 --threads 1 --out {tmp_path} --no-progress")
     assert "dspark (oracle drafter)" in printed and "lossless: yes" in printed
+    assert "decode ms per token after each request's first" in printed and "ratio of plain decode ms" in printed
 
     result = json.loads((tmp_path / "engine-bench.json").read_text())
     for key in ("command", "backend", "torch", "threads", "max_tokens", "batches", "gamma", "model_load_s",
@@ -36,6 +37,9 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
         assert r["generated_tokens"] == 4 * r["batch"]
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0 and r["ttft_mean_s"] > 0
         assert len(r["ttft_s"]) == r["batch"]
+        # every request decodes 4 tokens: three after its first, timed from it
+        assert r["decode_tokens"] == 3 * r["batch"] and 0 < r["decode_s"] < r["batch"] * r["wall_s"]
+        assert r["decode_s_per_token"] == r["decode_s"] / r["decode_tokens"]
     for b in (1, 2):
         assert runs["plain", b]["tokens_per_target_forward"] == 1.0
         # the oracle's drafts are the target's own continuation: every verified draft is accepted
@@ -44,6 +48,8 @@ def test_engine_benchmark_tiny(tmp_path, capsys):
         assert oracle["engine_steps"] < runs["plain", b]["engine_steps"]
         for mode in ("dspark", "always", "oracle"):
             assert result["speedup"][mode][str(b)] > 0
+            assert result["decode_speedup"][mode][str(b)] == (runs["plain", b]["decode_s_per_token"]
+                                                              / runs[mode, b]["decode_s_per_token"])
         assert runs["always", b]["dspark_steps"] >= runs["dspark", b]["dspark_steps"] > 0   # adaptive drafts less
 
 
